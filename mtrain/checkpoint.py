@@ -1,0 +1,145 @@
+"""The only code that knows the checkpoint format: atomic writes, safe loads, averaging.
+
+A checkpoint is a plain dict that `torch.load(..., weights_only=True)` can read, so loading a
+file never runs code:
+
+    {"format": "mtrain", "version": 1,
+     "config":    resolved Config as nested dicts (model section holds the vocabulary sizes),
+     "model":     state_dict of the un-compiled model,
+     "tokenizer": Tokenizer.to_state() (SentencePiece model bytes and the special ids),
+     "stats":     stats.json of the tokenized data (length ratios for decoding), may be {},
+     "step":      optimizer updates done,
+     "train_state": optimizer, RNG states, data position, early-stopping state (last.pt only)}
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from mtrain.errors import MtrainError
+
+FORMAT = "mtrain"
+VERSION = 1
+
+
+def save_atomic(obj: dict[str, Any], path: str | Path) -> None:
+    """Write to a temp file in the same folder, fsync, then rename: a reader (or a crash) never
+    sees a half-written checkpoint, and the previous file stays intact if the write fails."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(obj, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    # Make the rename itself durable; not every platform/filesystem allows opening a directory.
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Read a checkpoint with weights_only=True; any problem becomes a one-line MtrainError."""
+    path = Path(path)
+    if not path.is_file():
+        raise MtrainError(f"{path}: checkpoint not found; pass a file written by `mtrain train` (e.g. RUN/best.pt)")
+    try:
+        obj = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as err:  # truncated zip, garbage bytes, or a pickle that asks for code
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if "weights_only" in str(err) or "Unsupported global" in str(err):
+            reason = "it contains pickled objects other than tensors and plain data, refused for safety"
+        raise MtrainError(
+            f"{path}: not a readable mtrain checkpoint ({reason[:200]}); use a complete file written by `mtrain train`"
+        ) from None
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        raise MtrainError(f"{path}: not an mtrain checkpoint (no 'format: mtrain' entry); use a file written by `mtrain train`")
+    if obj.get("version", 0) > VERSION:
+        raise MtrainError(f"{path}: checkpoint format v{obj['version']} is newer than this mtrain reads (v{VERSION}); upgrade mtrain")
+    return obj
+
+
+def make(config: dict[str, Any], model_state: dict[str, torch.Tensor], tokenizer: dict[str, Any],
+         stats: dict[str, Any], step: int, train_state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Assemble a checkpoint dict (see the module docstring for the layout)."""
+    ckpt = {
+        "format": FORMAT,
+        "version": VERSION,
+        "config": config,
+        "model": model_state,
+        "tokenizer": tokenizer,
+        "stats": stats,
+        "step": int(step),
+    }
+    if train_state is not None:
+        ckpt["train_state"] = train_state
+    return ckpt
+
+
+def average_checkpoints(paths: Iterable[str | Path], out: str | Path) -> dict[str, Any]:
+    """Average the model weights of checkpoints of one model (the paper averaged the last 5 or 20).
+
+    The result keeps the config and tokenizer of the last input and drops training state."""
+    paths = [Path(p) for p in paths]
+    if not paths:
+        raise MtrainError("average: no checkpoints given; pass e.g. RUN/step-*.pt")
+    total: dict[str, torch.Tensor] | None = None
+    last: dict[str, Any] = {}
+    for path in paths:
+        ckpt = load(path)
+        state = ckpt["model"]
+        if total is None:
+            total = {k: v.detach().to(torch.float64).clone() if v.is_floating_point() else v.clone() for k, v in state.items()}
+        else:
+            if state.keys() != total.keys() or any(state[k].shape != total[k].shape for k in state):
+                raise MtrainError(f"{path}: its model differs from {paths[0]}; average checkpoints of one run only")
+            for k, v in state.items():
+                if v.is_floating_point():
+                    total[k] += v.to(torch.float64)
+        last = ckpt
+    assert total is not None
+    reference = last["model"]
+    averaged = {k: (v / len(paths)).to(reference[k].dtype) if v.is_floating_point() else v for k, v in total.items()}
+    result = make(last["config"], averaged, last["tokenizer"], last.get("stats", {}), last["step"])
+    result["averaged_from"] = [str(p) for p in paths]
+    save_atomic(result, out)
+    return result
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu"):
+    """Rebuild the model and tokenizer from a checkpoint alone: (model in eval mode, tokenizer, ckpt)."""
+    from mtrain.config import config_from_dict
+    from mtrain.model import Transformer
+    from mtrain.tokenizer import Tokenizer
+
+    ckpt = load(path)
+    config = config_from_dict(ckpt["config"], where=str(path))
+    model = Transformer(config.model)
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as err:
+        first = str(err).strip().splitlines()
+        raise MtrainError(f"{path}: weights do not fit its model config ({first[1].strip() if len(first) > 1 else first[0]}); the file is inconsistent") from None
+    model.to(device).eval()
+    return model, Tokenizer.from_state(ckpt["tokenizer"]), ckpt

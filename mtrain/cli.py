@@ -1,0 +1,206 @@
+"""The typer app: thin commands that parse arguments, resolve the config and call one function.
+
+Heavy modules (torch, sentencepiece) are imported inside the commands so `--help` and
+`--print-config` answer instantly. Every user-facing failure is an MtrainError, printed as one
+line on stderr with exit code 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import typer
+
+from mtrain.errors import MtrainError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Train post-norm Transformer translation models from scratch, and use them.",
+)
+
+
+def friendly(fn: Callable) -> Callable:
+    """Turn MtrainError (and Ctrl-C) into one line on stderr and an exit code, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except MtrainError as err:
+            typer.echo(f"error: {err}", err=True)
+            raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            typer.echo("interrupted", err=True)
+            raise typer.Exit(130) from None
+        except BrokenPipeError:
+            # `mtrain translate ... | head` closes the pipe early; that is not an error.
+            sys.stderr.close()
+            raise typer.Exit(0) from None
+
+    return wrapper
+
+
+ConfigOpt = typer.Option(None, "--config", "-c", help="YAML config (see configs/); defaults otherwise.")
+SetOpt = typer.Option(None, "--set", help="Override a config key: section.key=value (repeatable).")
+PrintConfigOpt = typer.Option(False, "--print-config", help="Print the resolved config as YAML and exit.")
+
+
+def resolve_config(config: Optional[Path], overrides: Optional[List[str]], extra: dict | None = None):
+    """Load the config, apply `--set` overrides, then explicit command-line flags (which win)."""
+    from mtrain.config import load_config
+
+    flags = [f"{key}={value}" for key, value in (extra or {}).items() if value is not None]
+    return load_config(config, list(overrides or []) + flags)
+
+
+def print_config_and_exit(cfg) -> None:
+    from mtrain.config import to_yaml
+
+    typer.echo(to_yaml(cfg), nl=False)
+    raise typer.Exit(0)
+
+
+@app.command()
+@friendly
+def tokenize(
+    data: Optional[Path] = typer.Option(None, "--data", help="Folder with {split}.{src} / {split}.{tgt} files (or .tsv/.jsonl per split)."),
+    out: Path = typer.Option(Path("data/multi30k-tok"), "--out", help="Output folder for spm.model, ids and stats.json."),
+    src: Optional[str] = typer.Option(None, "--src", help="Source language suffix [data.src]."),
+    tgt: Optional[str] = typer.Option(None, "--tgt", help="Target language suffix [data.tgt]."),
+    vocab_size: Optional[int] = typer.Option(None, "--vocab-size", help="SentencePiece vocabulary size [tokenizer.vocab_size]."),
+    model_type: Optional[str] = typer.Option(None, "--model-type", help="unigram | bpe [tokenizer.model_type]."),
+    splits: str = typer.Option("train,valid,test2016", "--splits", help="Comma-separated splits; the first is cleaned and used to train SentencePiece."),
+    joint: Optional[bool] = typer.Option(None, "--joint/--separate", help="One vocabulary for both sides, or one per side [tokenizer.joint]."),
+    hf_dataset: Optional[str] = typer.Option(None, "--hf-dataset", help="Read through Hugging Face `datasets` instead of --data (e.g. bentrevett/multi30k)."),
+    config: Optional[Path] = ConfigOpt,
+    overrides: Optional[List[str]] = SetOpt,
+    print_config: bool = PrintConfigOpt,
+) -> None:
+    """Check and clean a parallel corpus, train SentencePiece, and cache token ids."""
+    cfg = resolve_config(
+        config,
+        overrides,
+        {
+            "data.src": src,
+            "data.tgt": tgt,
+            "tokenizer.vocab_size": vocab_size,
+            "tokenizer.model_type": model_type,
+            "tokenizer.joint": joint,
+        },
+    )
+    if print_config:
+        print_config_and_exit(cfg)
+    from mtrain.data import tokenize_corpus
+
+    tokenize_corpus(cfg, data_dir=data, out_dir=out, splits=splits.split(","), hf_dataset=hf_dataset)
+
+
+@app.command()
+@friendly
+def train(
+    data: Path = typer.Option(..., "--data", help="Folder written by `mtrain tokenize`."),
+    out: Path = typer.Option(..., "--out", help="Run folder (checkpoints, metrics, plots). Re-running resumes from its last.pt."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Build data and model, print a JSON summary and exit."),
+    config: Optional[Path] = ConfigOpt,
+    overrides: Optional[List[str]] = SetOpt,
+    print_config: bool = PrintConfigOpt,
+) -> None:
+    """Train a post-norm Transformer on tokenized data."""
+    cfg = resolve_config(config, overrides)
+    if print_config:
+        print_config_and_exit(cfg)
+    from mtrain.train import train as run_training
+
+    run_training(cfg, data_dir=data, run_dir=out, device=device, dry_run=dry_run)
+
+
+@app.command()
+@friendly
+def translate(
+    checkpoint: Path = typer.Option(..., "--checkpoint", help="A checkpoint written by `mtrain train` (best.pt, last.pt, ...)."),
+    input: str = typer.Option("-", "--input", "-i", help="Raw text, one sentence a line; - for stdin."),
+    output: str = typer.Option("-", "--output", "-o", help="Where translations go; - for stdout."),
+    beam: Optional[int] = typer.Option(None, "--beam", help="Beam size [decode.beam]."),
+    greedy: bool = typer.Option(False, "--greedy", help="Greedy search (same as --beam 1)."),
+    lenpen: Optional[float] = typer.Option(None, "--lenpen", help="Length penalty alpha [decode.lenpen]."),
+    max_len_a: Optional[float] = typer.Option(None, "--max-len-a", help="Max output length = a * src_len + b [decode.max_len_a]."),
+    max_len_b: Optional[int] = typer.Option(None, "--max-len-b", help="[decode.max_len_b]."),
+    nbest: Optional[int] = typer.Option(None, "--nbest", help="Print N index<TAB>score<TAB>translation lines per input."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Source tokens per batch [decode.max_tokens]."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
+    overrides: Optional[List[str]] = SetOpt,
+) -> None:
+    """Translate raw text with a trained checkpoint (greedy or beam search)."""
+    cfg = resolve_config(
+        None,
+        overrides,
+        {
+            "decode.beam": 1 if greedy else beam,
+            "decode.lenpen": lenpen,
+            "decode.max_len_a": max_len_a,
+            "decode.max_len_b": max_len_b,
+            "decode.nbest": nbest,
+            "decode.max_tokens": max_tokens,
+        },
+    )
+    from mtrain.translate import translate_file
+
+    translate_file(checkpoint, input, output, cfg.decode, device=device)
+
+
+@app.command(name="eval")
+@friendly
+def evaluate(
+    hyp: Optional[Path] = typer.Option(None, "--hyp", help="Detokenized hypotheses, one a line."),
+    ref: List[Path] = typer.Option(..., "--ref", help="Raw reference file (repeat for several references)."),
+    checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="Translate --src with this checkpoint, then score."),
+    src: Optional[Path] = typer.Option(None, "--src", help="Source file to translate (with --checkpoint)."),
+    output_hyp: Optional[Path] = typer.Option(None, "--output-hyp", help="Also write the translations here (with --checkpoint)."),
+    beam: Optional[int] = typer.Option(None, "--beam", help="Beam size [decode.beam]."),
+    lenpen: Optional[float] = typer.Option(None, "--lenpen", help="[decode.lenpen]."),
+    lowercase: bool = typer.Option(False, "--lowercase", help="Case-insensitive BLEU/TER/chrF (sacrebleu -lc)."),
+    tokenize: Optional[str] = typer.Option(None, "--tokenize", help="sacrebleu BLEU tokenizer (13a, intl, none, ...)."),
+    worst: int = typer.Option(0, "--worst", help="List the N sentences with the lowest sentence-BLEU."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
+    overrides: Optional[List[str]] = SetOpt,
+) -> None:
+    """Score translations with sacreBLEU (BLEU, chrF, TER), printing signatures."""
+    cfg = resolve_config(None, overrides, {"decode.beam": beam, "decode.lenpen": lenpen})
+    from mtrain.evaluate import run_eval
+
+    run_eval(
+        hyp=hyp,
+        refs=list(ref),
+        checkpoint=checkpoint,
+        src=src,
+        output_hyp=output_hyp,
+        decode=cfg.decode,
+        lowercase=lowercase,
+        tokenize=tokenize,
+        worst=worst,
+        as_json=json_out,
+        device=device,
+    )
+
+
+@app.command()
+@friendly
+def average(
+    checkpoints: List[Path] = typer.Argument(..., help="Checkpoints to average (e.g. RUN/step-*.pt)."),
+    out: Path = typer.Option(..., "--out", help="Where to write the averaged checkpoint."),
+) -> None:
+    """Average the weights of several checkpoints of one run into one (as the paper did)."""
+    from mtrain.checkpoint import average_checkpoints
+
+    average_checkpoints(checkpoints, out)
+
+
+if __name__ == "__main__":
+    app()

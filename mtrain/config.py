@@ -1,0 +1,229 @@
+"""Typed configuration: frozen dataclasses hold every default; YAML files and `--set` overrides
+state differences. No torch here, so the CLI can print a config instantly."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mtrain.errors import MtrainError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The Transformer's shape. Defaults are the paper's base model (Vaswani et al. 2017, Table 3)."""
+
+    d_model: int = 512
+    d_ff: int = 2048
+    n_heads: int = 8
+    n_encoder_layers: int = 6
+    n_decoder_layers: int = 6
+    dropout: float = 0.1  # on sublayer outputs and on embeddings + positions
+    attention_dropout: float = 0.0  # on attention weights (the paper uses none)
+    vocab_size: int = 8000  # target vocabulary (the joint one when share_embeddings); set by tokenize
+    src_vocab_size: int = 0  # 0 = same as vocab_size (joint vocabulary)
+    pad_id: int = 0  # fixed by mtrain's SentencePiece training
+    max_len: int = 256  # longest sequence the positional table covers
+    share_embeddings: bool = True  # three-way tying with a joint vocabulary
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    """SentencePiece training options for `mtrain tokenize`."""
+
+    vocab_size: int = 8000
+    model_type: str = "unigram"  # unigram | bpe
+    joint: bool = True  # one vocabulary for both sides, so embeddings can be shared
+    character_coverage: float = 1.0  # 1.0 keeps every character of small European corpora
+    input_sentence_size: int = 2_000_000  # sentences sampled for training SentencePiece
+    seed: int = 1
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the corpus is and how the training split is cleaned."""
+
+    src: str = "de"
+    tgt: str = "en"
+    train_split: str = "train"
+    valid_split: str = "valid"
+    test_split: str = "test2016"
+    max_len: int = 250  # drop training pairs with a side longer than this (whitespace tokens)
+    max_ratio: float = 3.0  # drop training pairs whose length ratio exceeds this
+    dedup: bool = True  # drop exact duplicate (src, tgt) training pairs
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The training loop: batching, optimisation, validation and checkpointing."""
+
+    max_steps: int = 100_000  # optimizer updates
+    max_tokens: int = 4096  # tokens per batch (padding included), per side
+    update_freq: int = 1  # batches accumulated per update
+    warmup_steps: int = 4000
+    lr_scale: float = 1.0  # lr = lr_scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_eps: float = 1e-9
+    weight_decay: float = 0.0
+    label_smoothing: float = 0.1
+    clip_norm: float = 0.0  # 0 = no gradient clipping
+    seed: int = 1
+    log_every: int = 100
+    save_every: int = 1000
+    eval_every: int = 1000
+    eval_beam: int = 1  # beam size for validation BLEU (1 = greedy, fast on CPU)
+    eval_max_sentences: int = 0  # 0 = the whole validation split
+    keep_last: int = 5  # step checkpoints kept besides last.pt and best.pt
+    average_last: int = 0  # > 0: average the last K step checkpoints into averaged.pt at the end
+    patience: int = 0  # stop after this many validations without a BLEU gain; 0 = never
+    max_nonfinite: int = 10  # consecutive non-finite losses before training stops
+    amp: str = "auto"  # auto | bf16 | fp16 | off (auto: bf16 on GPUs that support it, else off)
+    compile: bool = False  # torch.compile the model
+    num_threads: int = 0  # torch CPU threads; 0 = torch's default
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Search settings for `mtrain translate`, `mtrain eval` and validation."""
+
+    beam: int = 5
+    lenpen: float = 0.6  # GNMT length penalty alpha: ((5 + len) / 6) ** alpha
+    max_len_a: float = 1.2  # maximum output length = a * src_len + b
+    max_len_b: int = 10
+    max_tokens: int = 4096  # source tokens per decoding batch
+    nbest: int = 1
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+
+# Section name -> its dataclass (get_type_hints resolves the string annotations).
+SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Coerce a YAML or command-line value to the declared field type (YAML reads 3e-4 as a string)."""
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("true", "yes", "on", "1"):
+            return True
+        if text in ("false", "no", "off", "0"):
+            return False
+        raise MtrainError(f"{where}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise MtrainError(f"{where}: expected an integer, got {value!r}")
+        try:
+            number = float(value) if isinstance(value, str) else value
+            if isinstance(number, float) and not number.is_integer():
+                raise ValueError
+            return int(number)
+        except (TypeError, ValueError):
+            raise MtrainError(f"{where}: expected an integer, got {value!r}") from None
+    if tp is float:
+        if isinstance(value, bool):
+            raise MtrainError(f"{where}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise MtrainError(f"{where}: expected a number, got {value!r}") from None
+    return str(value)
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _unknown_key(section: str, key: str, valid: list[str], where: str) -> MtrainError:
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return MtrainError(
+        f"{where}: unknown key {section}.{key}{hint}; valid keys of [{section}]: {', '.join(valid)}"
+    )
+
+
+def _merge(base: dict[str, dict[str, Any]], updates: dict[str, Any], where: str) -> None:
+    """Merge `{section: {key: value}}` into `base` in place, checking names and coercing types."""
+    for section, values in updates.items():
+        if section not in SECTIONS:
+            raise MtrainError(
+                f"{where}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}"
+            )
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise MtrainError(f"{where}: section {section!r} must be a mapping of key: value")
+        types = _field_types(SECTIONS[section])
+        for key, value in values.items():
+            if key not in types:
+                raise _unknown_key(section, key, list(types), where)
+            base[section][key] = _coerce(value, types[key], f"{where}: {section}.{key}")
+
+
+def parse_override(text: str) -> dict[str, dict[str, Any]]:
+    """`train.lr_scale=2` -> {"train": {"lr_scale": "2"}}; the value is coerced later."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise MtrainError(f"--set {text!r}: expected section.key=value, e.g. --set train.max_steps=1000")
+    dotted, value = text.split("=", 1)
+    section, key = dotted.strip().split(".", 1)
+    return {section: {key: yaml.safe_load(value) if value.strip() else ""}}
+
+
+def config_from_dict(data: dict[str, Any], where: str = "config") -> Config:
+    """Build a Config from nested dicts (a YAML file, a checkpoint's stored config)."""
+    merged: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    _merge(merged, data or {}, where)
+    return Config(**{name: SECTIONS[name](**merged[name]) for name in SECTIONS})
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults, then the YAML file (if any), then each `--set section.key=value` in order."""
+    merged: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise MtrainError(f"{path}: config file not found; pass an existing YAML file (see configs/)")
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            line = f" line {mark.line + 1}" if mark is not None else ""
+            raise MtrainError(f"{path}{line}: invalid YAML ({getattr(err, 'problem', err)}); fix the syntax") from None
+        if not isinstance(data, dict):
+            raise MtrainError(f"{path}: expected a mapping of sections (model:, train:, ...)")
+        _merge(merged, data, str(path))
+    for text in overrides:
+        _merge(merged, parse_override(text), f"--set {text}")
+    return Config(**{name: SECTIONS[name](**merged[name]) for name in SECTIONS})
+
+
+def replace(config: Config, **sections: dict[str, Any]) -> Config:
+    """Return a copy with some fields changed: replace(cfg, model={"vocab_size": 8000})."""
+    updated = {
+        name: dataclasses.replace(getattr(config, name), **sections.get(name, {})) for name in SECTIONS
+    }
+    return Config(**updated)
+
+
+def to_dict(config: Config) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(config)
+
+
+def to_yaml(config: Config) -> str:
+    return yaml.safe_dump(to_dict(config), sort_keys=False)
