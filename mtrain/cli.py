@@ -172,6 +172,8 @@ def evaluate(
     overrides: Optional[List[str]] = SetOpt,
 ) -> None:
     """Score translations with sacreBLEU (BLEU, chrF, TER), printing signatures."""
+    if hyp is not None and (beam is not None or lenpen is not None or overrides):
+        raise MtrainError("--beam, --lenpen and --set decode options apply only with --checkpoint; drop them when scoring --hyp")
     cfg = resolve_config(None, overrides, {"decode.beam": beam, "decode.lenpen": lenpen})
     from mtrain.evaluate import run_eval
 

@@ -1,0 +1,225 @@
+"""Score translations with sacreBLEU (BLEU, chrF, TER, each with its signature): one `score`
+function serves `mtrain eval` and validation during training, so the two never disagree.
+No torch at import time; sacrebleu itself is imported on first use."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+from mtrain.errors import MtrainError
+
+# Leftovers of a missing detokenization: the SentencePiece word marker, its rendering of <unk>
+# (U+2047), and the special-token spellings. Any of them in a hypothesis costs BLEU silently.
+MARKERS = re.compile(r"▁|⁇|<unk>|<s>|</s>|<pad>")
+
+
+def read_lines(path: str | Path) -> list[str]:
+    """Read a UTF-8 text file as lines, with trailing whitespace removed exactly as sacrebleu's
+    CLI does (so file-based scores match it). Invalid UTF-8 names the file and line."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise MtrainError(f"{path}: file not found; check the path") from None
+    except OSError as err:
+        raise MtrainError(f"{path}: cannot read ({err.strerror}); check the path and permissions") from None
+    raw = data.split(b"\n")
+    if raw[-1] == b"":  # the newline ending the last line starts no new line
+        raw.pop()
+    lines = []
+    for number, chunk in enumerate(raw, 1):
+        try:
+            lines.append(chunk.decode("utf-8").rstrip())
+        except UnicodeDecodeError as err:
+            raise MtrainError(
+                f"{path}:{number}: invalid UTF-8 (byte {err.start + 1} of the line); re-encode the file as UTF-8, e.g. iconv -f latin1 -t utf-8"
+            ) from None
+    return lines
+
+
+def check_line_counts(hyps: Sequence[str], refs: Sequence[Sequence[str]], hyp_name: str = "hypotheses",
+                      ref_names: Sequence[str] | None = None) -> None:
+    """Every reference stream must have one line per hypothesis (sacrebleu would not check)."""
+    if not refs:
+        raise MtrainError("no references given; pass at least one --ref file")
+    ref_names = list(ref_names) if ref_names else [f"reference {i + 1}" for i in range(len(refs))]
+    for name, stream in zip(ref_names, refs):
+        if len(stream) != len(hyps):
+            raise MtrainError(
+                f"{hyp_name} has {len(hyps)} lines but {name} has {len(stream)}; score files of the same test set, one sentence a line"
+            )
+    if not hyps:
+        raise MtrainError(f"{hyp_name}: no lines to score; pass a non-empty file")
+
+
+def warn_markers(hyps: Sequence[str], name: str = "hypotheses") -> int:
+    """Warn on stderr when hypotheses look undetokenized; return how many lines do."""
+    bad = [i for i, line in enumerate(hyps, 1) if MARKERS.search(line)]
+    if bad:
+        print(
+            f"warning: {name}: {len(bad)} of {len(hyps)} lines contain SentencePiece markers (▁, ⁇) or special tokens"
+            f" (<unk>, <s>, </s>, <pad>), first at line {bad[0]}; score detokenized text (what `mtrain translate` writes)",
+            file=sys.stderr,
+        )
+    return len(bad)
+
+
+def _metrics(lowercase: bool, tokenize: str | None, sentence: bool = False):
+    """The three sacrebleu metric objects. TER keeps sacrebleu's default (case-insensitive, as
+    TERCOM), so without --lowercase all three match `sacrebleu -m bleu chrf ter` exactly."""
+    from sacrebleu.metrics import BLEU, CHRF, TER
+    from sacrebleu.metrics.bleu import _TOKENIZERS
+
+    if tokenize is not None and tokenize not in _TOKENIZERS:
+        raise MtrainError(f"--tokenize {tokenize}: unknown sacrebleu tokenizer; use one of {', '.join(_TOKENIZERS)}")
+    try:
+        # Sentence-level BLEU needs effective order, or one missing 4-gram zeroes a short sentence.
+        bleu = BLEU(lowercase=lowercase, tokenize=tokenize, effective_order=sentence)
+    except (ImportError, RuntimeError) as err:  # ja-mecab, ko-mecab, spm need extra packages
+        hint = next((line.strip() for line in str(err).splitlines() if "pip install" in line), "install its extra packages")
+        raise MtrainError(f"--tokenize {tokenize}: sacrebleu cannot load this tokenizer; {hint}") from None
+    return bleu, CHRF(lowercase=lowercase), TER(case_sensitive=False)
+
+
+def _corpus_scores(hyps: Sequence[str], refs: Sequence[Sequence[str]], lowercase: bool, tokenize: str | None):
+    """[(key, sacrebleu Score, signature string)] for bleu, chrf, ter."""
+    check_line_counts(hyps, refs)
+    hyps, refs = list(hyps), [list(stream) for stream in refs]
+    results = []
+    for key, metric in zip(("bleu", "chrf", "ter"), _metrics(lowercase, tokenize)):
+        result = metric.corpus_score(hyps, refs)
+        results.append((key, result, str(metric.get_signature())))
+    return results
+
+
+def _as_dict(results, n_lines: int) -> dict[str, Any]:
+    out: dict[str, Any] = {key: float(result.score) for key, result, _ in results}
+    out["signatures"] = {key: signature for key, _, signature in results}
+    out["n_lines"] = n_lines
+    return out
+
+
+def score(hyps: Sequence[str], refs: Sequence[Sequence[str]], lowercase: bool = False,
+          tokenize: str | None = None, warn: bool = True) -> dict[str, Any]:
+    """Corpus BLEU, chrF and TER of detokenized `hyps` against raw references.
+
+    refs holds one list of lines per reference stream. Returns {"bleu", "chrf", "ter" (floats at
+    full precision), "signatures": {"bleu", "chrf", "ter"}, "n_lines"}. `lowercase` makes BLEU and
+    chrF case-insensitive (TER always is); `tokenize` is BLEU's tokenizer (default 13a).
+    """
+    if warn:
+        warn_markers(hyps)
+    return _as_dict(_corpus_scores(hyps, refs, lowercase, tokenize), len(hyps))
+
+
+def worst_sentences(hyps: Sequence[str], refs: Sequence[Sequence[str]], n: int, lowercase: bool = False,
+                    tokenize: str | None = None) -> list[dict[str, Any]]:
+    """The n lines with the lowest sentence-BLEU (ties: earlier line first), as
+    {"line" (1-based), "bleu", "hyp", "refs"}."""
+    check_line_counts(hyps, refs)
+    bleu = _metrics(lowercase, tokenize, sentence=True)[0]
+    rows = []
+    for i, hyp in enumerate(hyps):
+        line_refs = [stream[i] for stream in refs]
+        rows.append({"line": i + 1, "bleu": float(bleu.sentence_score(hyp, line_refs).score), "hyp": hyp, "refs": line_refs})
+    rows.sort(key=lambda row: (row["bleu"], row["line"]))
+    return rows[:n]
+
+
+def write_lines_atomic(lines: Sequence[str], path: str | Path) -> None:
+    """Write lines to a temp file next to `path`, then rename: no half-written output on a crash."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
+            handle.writelines(line + "\n" for line in lines)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _resolve_device(device: str):
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise MtrainError(f"--device {device}: not a device name; use auto, cpu, cuda or cuda:N") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise MtrainError(f"--device {device}: CUDA is not available here; use --device cpu (or auto)")
+    return resolved
+
+
+def _translate(checkpoint: Path, lines: list[str], decode, device: str) -> list[str]:
+    from mtrain.checkpoint import load_model
+    from mtrain.translate import translate_lines
+
+    resolved = _resolve_device(device)
+    model, tokenizer, ckpt = load_model(checkpoint, resolved)
+    return translate_lines(model, tokenizer, lines, decode, resolved, stats=ckpt.get("stats") or None, progress=True)
+
+
+def format_report(results, n_lines: int, n_refs: int, worst: list[dict[str, Any]]) -> str:
+    """sacrebleu's own one-line format per metric (signature, score, BLEU details), then the worst lines."""
+    out = [result.format(width=2, signature=signature) for _, result, signature in results]
+    out.append(f"({n_lines} lines, {n_refs} reference{'s' if n_refs > 1 else ''})")
+    if worst:
+        out.append(f"\n{len(worst)} lowest sentence-BLEU:")
+        for row in worst:
+            out.append(f"line {row['line']}  sentence-BLEU {row['bleu']:.2f}")
+            out.append(f"  hyp: {row['hyp']}")
+            for k, ref in enumerate(row["refs"]):
+                out.append(f"  ref{'' if len(row['refs']) == 1 else k + 1}: {ref}")
+    return "\n".join(out)
+
+
+def run_eval(hyp: Path | None, refs: list[Path], checkpoint: Path | None, src: Path | None,
+             output_hyp: Path | None, decode, lowercase: bool = False, tokenize: str | None = None,
+             worst: int = 0, as_json: bool = False, device: str = "auto") -> dict[str, Any]:
+    """`mtrain eval`: score a hypothesis file, or translate --src with a checkpoint and score that.
+
+    Prints the metrics with signatures (or one JSON object with --json) on stdout; returns the dict."""
+    if (hyp is None) == (checkpoint is None):
+        raise MtrainError("pass exactly one of --hyp FILE (score it) or --checkpoint FILE --src FILE (translate, then score)")
+    if checkpoint is not None and src is None:
+        raise MtrainError("--checkpoint needs --src: the source file to translate")
+    if hyp is not None and (src is not None or output_hyp is not None):
+        raise MtrainError("--src and --output-hyp apply only with --checkpoint; drop them or use --checkpoint")
+    if worst < 0:
+        raise MtrainError(f"--worst {worst}: must be 0 or a positive number of lines")
+    ref_lines = [read_lines(path) for path in refs]
+    ref_names = [str(path) for path in refs]
+    # Validate the tokenizer before a possibly long translation.
+    _metrics(lowercase, tokenize)
+    if checkpoint is not None:
+        src_lines = read_lines(src)
+        check_line_counts(src_lines, ref_lines, str(src), ref_names)  # fail before translating
+        hyps = _translate(checkpoint, src_lines, decode, device)
+        hyp_name = "translations"
+        if output_hyp is not None:
+            write_lines_atomic(hyps, output_hyp)
+    else:
+        hyps = read_lines(hyp)
+        hyp_name = str(hyp)
+    check_line_counts(hyps, ref_lines, hyp_name, ref_names)
+    warn_markers(hyps, hyp_name)
+    results = _corpus_scores(hyps, ref_lines, lowercase, tokenize)
+    summary = _as_dict(results, len(hyps))
+    rows = worst_sentences(hyps, ref_lines, worst, lowercase, tokenize) if worst else []
+    if rows:
+        summary["worst"] = rows
+    if as_json:
+        print(json.dumps(summary, ensure_ascii=False))
+    else:
+        print(format_report(results, len(hyps), len(ref_lines), rows))
+    return summary
