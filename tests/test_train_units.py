@@ -1,0 +1,69 @@
+"""Training building blocks against hand-derived values: the LR schedule, the label-smoothed
+loss, the metrics log and the plot."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mtrain.loss import label_smoothed_loss
+from mtrain.plot import MetricsLog, plot_metrics, read_metrics
+from mtrain.schedule import inverse_sqrt_lr
+
+
+def test_lr_schedule_hand_computed_paper_values():
+    # d_model 512, warmup 4000 (the paper). Step 1: 512^-0.5 * 1 * 4000^-1.5 = 1 / (22.6274 * 252982.2).
+    assert inverse_sqrt_lr(1, 512, 4000) == pytest.approx(1.74693e-7, rel=1e-5)
+    # Peak at step == warmup: (512 * 4000)^-0.5 = 1 / 1431.084.
+    assert inverse_sqrt_lr(4000, 512, 4000) == pytest.approx(6.98771e-4, rel=1e-5)
+    # 4x past the peak the inverse-sqrt branch gives half the peak: (512 * 16000)^-0.5.
+    assert inverse_sqrt_lr(16000, 512, 4000) == pytest.approx(3.49386e-4, rel=1e-5)
+    assert inverse_sqrt_lr(16000, 512, 4000, scale=2.0) == pytest.approx(6.98771e-4, rel=1e-5)
+
+
+def test_lr_schedule_rises_linearly_then_decays():
+    lrs = [inverse_sqrt_lr(s, 256, 100) for s in range(1, 400)]
+    peak = max(range(len(lrs)), key=lrs.__getitem__) + 1
+    assert peak == 100
+    assert lrs[49] == pytest.approx(lrs[0] * 50)  # linear warmup: lr(50) = 50 lr(1)
+    assert all(a > b for a, b in zip(lrs[99:], lrs[100:]))
+
+
+def test_label_smoothing_hand_computed_v4():
+    # p = (1/2, 1/4, 1/8, 1/8), reference class 0, eps 0.1, V = 4.
+    # Smoothed target q = (1 - eps) onehot + eps/V = (0.925, 0.025, 0.025, 0.025).
+    # -sum q log p = (0.925 * 1 + 0.025 * (2 + 3 + 3)) ln 2 = 1.125 ln 2.
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]]))
+    loss, nll = label_smoothed_loss(logits, torch.tensor([0]), eps=0.1)
+    assert loss.item() == pytest.approx(1.125 * math.log(2), rel=1e-6)
+    assert nll.item() == pytest.approx(math.log(2), rel=1e-6)
+
+
+def test_label_smoothing_matches_torch_convention_and_sums():
+    torch.manual_seed(0)
+    logits, target = torch.randn(7, 11), torch.randint(0, 11, (7,))
+    loss, nll = label_smoothed_loss(logits, target, eps=0.2)
+    assert loss.item() == pytest.approx(F.cross_entropy(logits, target, label_smoothing=0.2, reduction="sum").item(), rel=1e-5)
+    assert nll.item() == pytest.approx(F.cross_entropy(logits, target, reduction="sum").item(), rel=1e-5)
+    plain, plain_nll = label_smoothed_loss(logits, target, eps=0.0)
+    assert plain.item() == plain_nll.item() == pytest.approx(nll.item())
+
+
+def test_metrics_log_drops_events_after_resumed_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLog(path)
+    for step in (1, 2, 3):
+        log.write({"event": "train", "step": step, "loss": 1.0 / step, "lr": 0.1})
+    with open(path, "a") as handle:
+        handle.write('{"event": "train", "st')  # a torn line from a hard kill
+    MetricsLog(path, resume_step=2)
+    assert [r["step"] for r in read_metrics(path)] == [1, 2]
+
+
+def test_plot_writes_png(tmp_path):
+    records = [{"event": "train", "step": s, "loss": 5.0 / s, "lr": 1e-3 * s} for s in range(1, 5)]
+    records.append({"event": "valid", "step": 4, "loss": 2.0, "bleu": 3.5})
+    out = tmp_path / "plot.png"
+    plot_metrics(records, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
