@@ -41,3 +41,18 @@ def multi30k_slice(multi30k_dir, tmp_path_factory) -> Path:
     """2000 training pairs, 100 validation and 100 test pairs of real Multi30k."""
     out = tmp_path_factory.mktemp("multi30k-slice")
     return write_slice(multi30k_dir, out, {"train": 2000, "valid": 100, "test2016": 100})
+
+
+@pytest.fixture(scope="session")
+def tokenized_slice(multi30k_slice, tmp_path_factory) -> Path:
+    """`mtrain tokenize` output for multi30k_slice (joint unigram, vocab 1000): spm.model, ids, stats.
+
+    Load it with mtrain.data.load_split(path, "train" | "valid" | "test2016") / load_tokenizer(path).
+    """
+    from mtrain.config import load_config
+    from mtrain.data import tokenize_corpus
+
+    out = tmp_path_factory.mktemp("multi30k-tok")
+    cfg = load_config(None, ["tokenizer.vocab_size=1000"])
+    tokenize_corpus(cfg, data_dir=multi30k_slice, out_dir=out, splits=["train", "valid", "test2016"])
+    return out
