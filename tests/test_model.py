@@ -1,0 +1,290 @@
+"""Properties of mtrain.model: PyTorch's own layers as an oracle, masks, cache, tying, sizes."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from mtrain.config import ModelConfig, load_config
+from mtrain.errors import MtrainError
+from mtrain.model import Transformer, key_mask, sinusoids
+
+ROOT = Path(__file__).resolve().parents[1]
+PAD = 0
+TINY = ModelConfig(d_model=32, d_ff=64, n_heads=4, n_encoder_layers=2, n_decoder_layers=2,
+                   dropout=0.0, vocab_size=50, max_len=64)
+
+
+def tiny(**changes) -> Transformer:
+    torch.manual_seed(0)
+    cfg = ModelConfig(**{**TINY.__dict__, **changes})
+    return Transformer(cfg).eval()
+
+
+def ids(batch: int, length: int, vocab: int = 50, seed: int = 1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(4, vocab, (batch, length), generator=gen)  # no specials, no PAD
+
+
+def padded(lengths: list[int], width: int, seed: int = 1) -> torch.Tensor:
+    x = ids(len(lengths), width, seed=seed)
+    for row, n in enumerate(lengths):
+        x[row, n:] = PAD
+    return x
+
+
+# ---------------------------------------------------------------------------------------------
+# Oracle: torch.nn's post-norm layers with our weights copied in
+
+
+def copy_encoder_layer(ours, theirs: nn.TransformerEncoderLayer) -> None:
+    with torch.no_grad():
+        ours.self_attn.qkv.weight.copy_(theirs.self_attn.in_proj_weight)
+        ours.self_attn.qkv.bias.copy_(theirs.self_attn.in_proj_bias)
+        ours.self_attn.out.load_state_dict(theirs.self_attn.out_proj.state_dict())
+        ours.ffn[0].load_state_dict(theirs.linear1.state_dict())
+        ours.ffn[3].load_state_dict(theirs.linear2.state_dict())
+        ours.norm1.load_state_dict(theirs.norm1.state_dict())
+        ours.norm2.load_state_dict(theirs.norm2.state_dict())
+
+
+def copy_decoder_layer(ours, theirs: nn.TransformerDecoderLayer) -> None:
+    d = ours.norm1.normalized_shape[0]
+    with torch.no_grad():
+        ours.self_attn.qkv.weight.copy_(theirs.self_attn.in_proj_weight)
+        ours.self_attn.qkv.bias.copy_(theirs.self_attn.in_proj_bias)
+        ours.self_attn.out.load_state_dict(theirs.self_attn.out_proj.state_dict())
+        ours.cross_attn.q.weight.copy_(theirs.multihead_attn.in_proj_weight[:d])
+        ours.cross_attn.q.bias.copy_(theirs.multihead_attn.in_proj_bias[:d])
+        ours.cross_attn.kv.weight.copy_(theirs.multihead_attn.in_proj_weight[d:])
+        ours.cross_attn.kv.bias.copy_(theirs.multihead_attn.in_proj_bias[d:])
+        ours.cross_attn.out.load_state_dict(theirs.multihead_attn.out_proj.state_dict())
+        ours.ffn[0].load_state_dict(theirs.linear1.state_dict())
+        ours.ffn[3].load_state_dict(theirs.linear2.state_dict())
+        for i in (1, 2, 3):
+            getattr(ours, f"norm{i}").load_state_dict(getattr(theirs, f"norm{i}").state_dict())
+
+
+def torch_layers(cfg: ModelConfig):
+    torch.manual_seed(123)  # weights independent of ours, so the copy is really tested
+    kw = dict(d_model=cfg.d_model, nhead=cfg.n_heads, dim_feedforward=cfg.d_ff, dropout=0.0,
+              batch_first=True, norm_first=False)
+    return nn.TransformerEncoderLayer(**kw).eval(), nn.TransformerDecoderLayer(**kw).eval()
+
+
+def test_layers_match_torch_post_norm_layers_with_padding():
+    model = tiny()
+    enc, dec = torch_layers(model.cfg)
+    copy_encoder_layer(model.encoder[0], enc)
+    copy_decoder_layer(model.decoder[0], dec)
+    src = padded([7, 4, 1], 7)
+    real = src != PAD
+    x = torch.randn(3, 7, 32)
+    y = torch.randn(3, 5, 32)
+    with torch.no_grad():
+        ours = model.encoder[0](x, key_mask(src, PAD))
+        theirs = enc(x, src_key_padding_mask=~real)
+        # torch's fast path may zero padded rows; only real positions are defined
+        torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=0)
+        causal = nn.Transformer.generate_square_subsequent_mask(5)
+        ours = model.decoder[0](y, x, key_mask(src, PAD), is_causal=True)
+        theirs = dec(y, x, tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=~real)
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+
+
+def test_whole_model_matches_torch_stacks_without_final_norm():
+    """Embeddings * sqrt(d) + sinusoids, N post-norm layers, no stack-final LayerNorm, tied output."""
+    model = tiny()
+    enc, dec = torch_layers(model.cfg)
+    encoder = nn.TransformerEncoder(enc, 2, norm=None, enable_nested_tensor=False).eval()
+    decoder = nn.TransformerDecoder(dec, 2, norm=None).eval()
+    for ours, theirs in zip(model.encoder, encoder.layers):
+        copy_encoder_layer(ours, theirs)
+    for ours, theirs in zip(model.decoder, decoder.layers):
+        copy_decoder_layer(ours, theirs)
+    src, tgt = padded([6, 3], 6), ids(2, 5, seed=2)
+    emb = model.tgt_embed.weight
+    pe = sinusoids(8, 32)
+    with torch.no_grad():
+        memory = encoder(emb[src] * math.sqrt(32) + pe[:6], src_key_padding_mask=src == PAD)
+        states = decoder(emb[tgt] * math.sqrt(32) + pe[:5], memory,
+                         tgt_mask=nn.Transformer.generate_square_subsequent_mask(5), tgt_is_causal=True,
+                         memory_key_padding_mask=src == PAD)
+        torch.testing.assert_close(model(src, tgt), states @ emb.T, atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks
+
+
+def test_causality_future_targets_do_not_change_earlier_logits():
+    model = tiny()
+    src, tgt = ids(2, 6), ids(2, 8, seed=3)
+    changed = tgt.clone()
+    changed[:, 5:] = ids(2, 3, seed=4)
+    with torch.no_grad():
+        a, b = model(src, tgt), model(src, changed)
+    torch.testing.assert_close(a[:, :5], b[:, :5], atol=1e-6, rtol=0)
+    assert not torch.allclose(a[:, 5:], b[:, 5:])
+
+
+def test_padding_invariance_src_and_tgt():
+    """Appending pad columns to both sides leaves every real position's logits unchanged, and a
+    sentence batched with a longer one gives the same logits as alone."""
+    model = tiny()
+    src, tgt = padded([6, 4, 2], 6), padded([5, 3, 5], 5, seed=5)
+    wide_src = torch.cat([src, torch.full((3, 4), PAD)], dim=1)
+    wide_tgt = torch.cat([tgt, torch.full((3, 3), PAD)], dim=1)
+    with torch.no_grad():
+        base = model(src, tgt)
+        wide = model(wide_src, wide_tgt)
+        alone = model(src[1:2, :4], tgt[1:2, :3])
+    real = tgt != PAD
+    torch.testing.assert_close(wide[:, :5][real], base[real], atol=1e-5, rtol=0)
+    torch.testing.assert_close(base[1:2, :3], alone, atol=1e-5, rtol=0)
+
+
+def test_fully_padded_source_row_gives_no_nan_anywhere():
+    model = tiny().train()  # dropout 0 in TINY: deterministic, but gradients on
+    src, tgt = padded([5, 0, 3], 5), padded([4, 4, 2], 4, seed=6)
+    logits = model(src, tgt)
+    assert torch.isfinite(logits).all()
+    logits[tgt != PAD].logsumexp(-1).sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    with torch.no_grad():  # the empty row does not leak into its neighbours
+        torch.testing.assert_close(logits[2:3, :2], model(src[2:3, :3], tgt[2:3, :2]), atol=1e-5, rtol=0)
+
+
+def test_key_mask_masks_pad_keys_only():
+    mask = key_mask(torch.tensor([[5, 6, PAD], [PAD, PAD, PAD]]), PAD)
+    assert mask.shape == (2, 1, 1, 3)
+    assert mask[0].flatten().tolist() == [True, True, False]
+    assert mask[1].all()  # an all-pad row attends to its pads rather than to nothing (NaN)
+
+
+# ---------------------------------------------------------------------------------------------
+# Incremental decoding
+
+
+def test_cached_decoding_equals_full_forward_including_reorder_and_multi_token_steps():
+    model = tiny()
+    src, tgt = padded([6, 3, 5], 6), ids(3, 7, seed=7)
+    with torch.no_grad():
+        memory = model.encode(src)
+        cache = model.new_cache()
+        steps = [model.decode(tgt[:, :3], memory, src, cache),  # a prefix of 3 at once
+                 model.decode(tgt[:, 3:5], memory, src, cache)]  # 2 tokens after a cached prefix
+        assert cache.length == 5
+        torch.testing.assert_close(torch.cat(steps, 1), model(src, tgt[:, :5]), atol=1e-5, rtol=0)
+
+        order = torch.tensor([2, 0, 0])  # beam search: keep, duplicate, drop rows
+        cache.reorder(order)
+        src, tgt, memory = src[order], tgt[order], memory[order]
+        tgt[1, 5:] = ids(1, 2, seed=8)  # the duplicated row continues differently
+        steps += [model.decode(tgt[:, 5:6], memory, src, cache),  # one token: no mask needed
+                  model.decode(tgt[:, 6:7], memory, src, cache)]
+        torch.testing.assert_close(torch.cat(steps[-2:], 1), model(src, tgt)[:, 5:], atol=1e-5, rtol=0)
+
+
+def test_positions_extend_past_max_len():
+    model = tiny(max_len=4)
+    src, tgt = ids(1, 9), ids(1, 10, seed=9)
+    with torch.no_grad():
+        full = model(src, tgt)
+        memory, cache = model.encode(src), model.new_cache()
+        steps = torch.cat([model.decode(tgt[:, i:i + 1], memory, src, cache) for i in range(10)], 1)
+    torch.testing.assert_close(steps, full, atol=1e-5, rtol=0)
+    torch.testing.assert_close(model.pe[:10], sinusoids(10, 32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Embeddings, positions, tying, sizes
+
+
+def test_sinusoids_hand_values():
+    pe = sinusoids(3, 4)  # d=4: frequencies 10000^(0/4) = 1 and 10000^(2/4) = 100
+    assert pe[0].tolist() == [0.0, 1.0, 0.0, 1.0]  # positions start at 0: sin 0, cos 0
+    expected = [math.sin(2), math.cos(2), math.sin(2 / 100), math.cos(2 / 100)]
+    torch.testing.assert_close(pe[2], torch.tensor(expected))
+    big = sinusoids(51, 512)
+    assert big[50, 510].item() == pytest.approx(math.sin(50 / 10000 ** (510 / 512)), abs=1e-7)
+    assert big[50, 511].item() == pytest.approx(math.cos(50 / 10000 ** (510 / 512)), abs=1e-7)
+
+
+def test_embedding_is_scaled_by_sqrt_d_model_plus_positions():
+    model = tiny()
+    x = ids(2, 5)
+    expected = model.src_embed.weight[x] * math.sqrt(32) + sinusoids(5, 32)
+    torch.testing.assert_close(model.embed(x, model.src_embed), expected)
+    # with the init N(0, d^-1/2), scaled embeddings have unit variance, like the sinusoids' scale
+    assert model.tgt_embed.weight.std().item() == pytest.approx(32 ** -0.5, rel=0.1)
+
+
+def test_three_way_tying_with_joint_vocabulary():
+    for model in (tiny(), tiny(src_vocab_size=50)):
+        ptrs = {model.src_embed.weight.data_ptr(), model.tgt_embed.weight.data_ptr(),
+                model.proj.weight.data_ptr()}
+        assert len(ptrs) == 1
+        n = sum(p.numel() for p in model.parameters())
+        assert n == sum(p.numel() for p in tiny(src_vocab_size=50, share_embeddings=False).parameters()) - 50 * 32
+
+
+def test_separate_vocabularies_tie_target_embedding_and_projection_only():
+    model = tiny(src_vocab_size=70)
+    assert model.src_embed.weight.shape == (70, 32)
+    assert model.tgt_embed.weight.data_ptr() == model.proj.weight.data_ptr()
+    assert model.src_embed.weight.data_ptr() != model.tgt_embed.weight.data_ptr()
+    with torch.no_grad():
+        assert model(ids(2, 4, vocab=70), ids(2, 3)).shape == (2, 3, 50)
+    assert tiny(share_embeddings=False).src_embed is not tiny(share_embeddings=False).tgt_embed
+
+
+def count(cfg: ModelConfig) -> int:
+    with torch.device("meta"):  # no memory, no init time: only shapes
+        return sum(p.numel() for p in Transformer(cfg).parameters())
+
+
+def test_transformer_base_has_63_08M_parameters():
+    # d=512, d_ff=2048, V=37000 joint, tied three ways, no output bias:
+    #   embeddings        37000*512                                          = 18,944,000
+    #   attention block   4*(512*512 + 512)                                  =  1,050,624
+    #   FFN               512*2048 + 2048 + 2048*512 + 512                   =  2,099,712
+    #   encoder layer     attention + FFN + 2 LayerNorms (2*2*512)           =  3,152,384
+    #   decoder layer     2 attentions + FFN + 3 LayerNorms (3*2*512)        =  4,204,032
+    #   total             18,944,000 + 6*3,152,384 + 6*4,204,032             = 63,082,496
+    cfg = load_config(ROOT / "configs" / "transformer-base.yaml").model
+    assert count(cfg) == 18_944_000 + 6 * 3_152_384 + 6 * 4_204_032 == 63_082_496
+
+
+def test_transformer_big_parameter_count():
+    # d=1024, d_ff=4096, V=37000:
+    #   embeddings 37000*1024 = 37,888,000; attention 4*(1024*1024 + 1024) = 4,198,400;
+    #   FFN 2*1024*4096 + 4096 + 1024 = 8,393,728;
+    #   encoder layer 4,198,400 + 8,393,728 + 2*2048 = 12,596,224;
+    #   decoder layer 2*4,198,400 + 8,393,728 + 3*2048 = 16,796,672;
+    #   total 37,888,000 + 6*12,596,224 + 6*16,796,672 = 214,245,376 (the paper's "213M")
+    cfg = load_config(ROOT / "configs" / "transformer-big.yaml").model
+    assert count(cfg) == 37_888_000 + 6 * 12_596_224 + 6 * 16_796_672 == 214_245_376
+
+
+def test_small_preset_shape():
+    cfg = load_config(ROOT / "configs" / "small.yaml").model
+    assert (cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_encoder_layers, cfg.n_decoder_layers) == (256, 1024, 4, 3, 3)
+
+
+def test_heads_must_divide_d_model():
+    with pytest.raises(MtrainError, match="n_heads"):
+        Transformer(ModelConfig(d_model=30, n_heads=4))
+
+
+def test_dropout_is_active_in_training_only():
+    model = tiny(dropout=0.5)
+    src, tgt = ids(2, 5), ids(2, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(model(src, tgt), model(src, tgt))
+        model.train()
+        assert not torch.allclose(model(src, tgt), model(src, tgt))
