@@ -103,21 +103,33 @@ def tokenize(
 @app.command()
 @friendly
 def train(
-    data: Path = typer.Option(..., "--data", help="Folder written by `mtrain tokenize`."),
-    out: Path = typer.Option(..., "--out", help="Run folder (checkpoints, metrics, plots). Re-running resumes from its last.pt."),
-    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Build data and model, print a JSON summary and exit."),
+    data: Optional[Path] = typer.Option(None, "--data", help="Folder written by `mtrain tokenize`."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Run folder (checkpoints, metrics, plot). Re-running the same command resumes from its last.pt."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N (auto: cuda when available)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Build data and model, print a JSON summary (parameters, batches) and exit."),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Optimizer updates [train.max_steps]."),
     config: Optional[Path] = ConfigOpt,
     overrides: Optional[List[str]] = SetOpt,
     print_config: bool = PrintConfigOpt,
 ) -> None:
-    """Train a post-norm Transformer on tokenized data."""
-    cfg = resolve_config(config, overrides)
+    """Train a post-norm Transformer on tokenized data (torchrun --nproc_per_node N -m mtrain train ... for DDP)."""
+    cfg = resolve_config(config, overrides, {"train.max_steps": max_steps})
     if print_config:
         print_config_and_exit(cfg)
+    if data is None:
+        raise MtrainError("train: --data is missing; pass the folder written by `mtrain tokenize` (e.g. --data data/multi30k-tok)")
+    if out is None and not dry_run:
+        raise MtrainError("train: --out is missing; pass a run folder (e.g. --out runs/quickstart)")
+    import json
+
     from mtrain.train import train as run_training
 
-    run_training(cfg, data_dir=data, run_dir=out, device=device, dry_run=dry_run)
+    summary = run_training(cfg, data_dir=data, run_dir=out, device=device, dry_run=dry_run)
+    if dry_run:
+        return
+    typer.echo(json.dumps(summary))
+    if summary.get("stopped") == "interrupted":
+        raise typer.Exit(128 + int(summary.get("signal", 2)))  # 130 for SIGINT, 143 for SIGTERM
 
 
 @app.command()

@@ -1,0 +1,687 @@
+"""The training loop: token-budget batches, label-smoothed teacher forcing, the paper's Adam and
+LR schedule, validation BLEU, atomic checkpoints and exact resume (re-run the same command).
+
+Fault injection for tests (environment variables, read at start):
+  MTRAIN_INJECT_NAN="3,5-7"  the loss of these updates (1-based step numbers) becomes NaN;
+  MTRAIN_STOP_AT_STEP=4      behave as if SIGINT arrived during update 4 (save last.pt, stop).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from mtrain import checkpoint
+from mtrain import distributed as dist_utils
+from mtrain.config import Config, replace, to_dict, to_yaml
+from mtrain.errors import MtrainError
+from mtrain.loss import label_smoothed_loss
+from mtrain.plot import MetricsLog, plot_metrics
+from mtrain.schedule import inverse_sqrt_lr
+
+N_SAMPLES = 3  # sample translations shown at each validation
+
+
+# ---------------------------------------------------------------- small pure helpers
+
+def resolve_device(device: str) -> torch.device:
+    """auto -> cuda when available, else cpu; anything else as given (cpu, cuda, cuda:1)."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise MtrainError(f"--device {device!r}: unknown device; use auto, cpu, cuda or cuda:N") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise MtrainError(f"--device {device}: no CUDA device is available; use --device cpu")
+    return resolved
+
+
+def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
+    """train.amp -> autocast dtype: auto = bf16 on GPUs that support it, fp16 on older GPUs, off on CPU."""
+    if amp == "off":
+        return None
+    if amp == "auto":
+        if device.type != "cuda":
+            return None
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if amp == "bf16":
+        return torch.bfloat16
+    if amp == "fp16":
+        if device.type != "cuda":
+            raise MtrainError("train.amp=fp16 needs a CUDA device; use train.amp=bf16 or off on CPU")
+        return torch.float16
+    raise MtrainError(f"train.amp={amp!r}: unknown value; use auto, bf16, fp16 or off")
+
+
+def parse_steps(text: str) -> set[int]:
+    """'3,5-7' -> {3, 5, 6, 7} (the MTRAIN_INJECT_NAN format)."""
+    steps: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        low, _, high = part.partition("-")
+        steps.update(range(int(low), int(high or low) + 1))
+    return steps
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG the loop may touch, as plain data that torch.load(weights_only=True) accepts."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(_as_tuple(state["python"]))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_tuple(value: Any) -> Any:
+    # random.setstate wants nested tuples; a checkpoint round trip may hand back lists.
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def target_tokens(tgt_lengths: np.ndarray, batches: list[np.ndarray]) -> int:
+    """Loss-bearing target tokens of some batches: each sentence's pieces plus its EOS."""
+    return int(sum(int(tgt_lengths[b].sum()) + len(b) for b in batches))
+
+
+def model_config_for_data(cfg: Config, tokenizer: Any) -> Config:
+    """Vocabulary sizes come from the tokenized data, not from the config file."""
+    from mtrain.tokenizer import PAD_ID
+
+    joint = bool(tokenizer.joint)
+    return replace(cfg, model={
+        "vocab_size": int(tokenizer.tgt_vocab_size),
+        "src_vocab_size": 0 if joint else int(tokenizer.src_vocab_size),
+        "share_embeddings": cfg.model.share_embeddings and joint,
+        "pad_id": PAD_ID,
+    })
+
+
+# ---------------------------------------------------------------- data order
+
+class BatchStream:
+    """The endless sequence of training batches: epoch e's bucketed batch list (shuffled from
+    (seed, e)), then epoch e+1's. (epoch, index) is the whole position, so resume is exact."""
+
+    def __init__(self, split: Any, max_tokens: int, seed: int, epoch: int = 1, index: int = 0) -> None:
+        self.split, self.max_tokens, self.seed = split, max_tokens, seed
+        self.epoch, self.index = epoch, index
+        self._cached: tuple[int, list[np.ndarray]] | None = None
+
+    def batches(self, epoch: int) -> list[np.ndarray]:
+        from mtrain import data
+
+        if self._cached is None or self._cached[0] != epoch:
+            batches = data.make_batches(self.split.src.lengths, self.split.tgt.lengths, self.max_tokens,
+                                        seed=self.seed, epoch=epoch, shuffle=True)
+            if not batches:
+                raise MtrainError("training split is empty; check the tokenized data folder (mtrain tokenize)")
+            self._cached = (epoch, batches)
+        return self._cached[1]
+
+    def take(self, n: int) -> list[np.ndarray]:
+        out = []
+        while len(out) < n:
+            batches = self.batches(self.epoch)
+            if self.index >= len(batches):
+                self.epoch, self.index = self.epoch + 1, 0
+                continue
+            out.append(batches[self.index])
+            self.index += 1
+        return out
+
+
+# ---------------------------------------------------------------- the objective
+
+class Objective(nn.Module):
+    """Teacher-forced label-smoothed loss as one module, so DDP (which hooks forward) and
+    torch.compile see the whole computation. The vocabulary projection runs only at real target
+    positions: pads are ~30% of a bucketed batch and the projection is the largest matmul."""
+
+    def __init__(self, model: nn.Module, label_smoothing: float) -> None:
+        super().__init__()
+        self.model, self.eps = model, label_smoothing
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        memory = self.model.encode(src)  # (B, S, d_model)
+        states = self.model.decode_states(tgt_in, memory, src)  # (B, T, d_model)
+        real = tgt_out != self.model.cfg.pad_id  # (B, T)
+        logits = self.model.project(states[real])  # (N, V), N = real target tokens
+        return label_smoothed_loss(logits, tgt_out[real], self.eps)
+
+
+def forward_backward(objective: nn.Module, micro_batches: list[tuple[torch.Tensor, ...]], total_tokens: int,
+                     world_size: int = 1, autocast: Any = contextlib.nullcontext, scaler: Any = None,
+                     nan: bool = False) -> tuple[float, float]:
+    """Accumulate gradients of sum(loss) / total_tokens over micro-batches: dividing by the tokens
+    of the whole update (all micro-batches, all ranks) makes accumulation equal one big batch.
+    DDP averages gradients over ranks, so each rank's loss is scaled by world_size to get a sum.
+    Returns this rank's (loss_sum, nll_sum)."""
+    loss_total, nll_total = 0.0, 0.0
+    for i, (src, tgt_in, tgt_out) in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        sync = contextlib.nullcontext() if last or not hasattr(objective, "no_sync") else objective.no_sync()
+        with sync:
+            with autocast():
+                loss_sum, nll_sum = objective(src, tgt_in, tgt_out)
+            if nan:
+                loss_sum = loss_sum * float("nan")
+            scaled = loss_sum * (world_size / total_tokens)
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
+        loss_total += loss_sum.item()
+        nll_total += nll_sum.item()
+    return loss_total, nll_total
+
+
+# ---------------------------------------------------------------- state that resume restores
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer updates done
+    epoch: int = 1  # position in the batch stream: epoch and next batch index
+    batch_index: int = 0
+    best_bleu: float = -1.0
+    best_step: int = 0
+    bad_evals: int = 0  # validations since the last BLEU gain (early stopping)
+    last_eval_step: int = 0
+    nonfinite_run: int = 0  # consecutive skipped updates
+    nonfinite_total: int = 0
+    window: dict[str, float] = field(default_factory=lambda: {"loss": 0.0, "nll": 0.0, "tokens": 0, "steps": 0})
+
+
+class StopSignal:
+    """SIGINT/SIGTERM set a flag that the loop checks after each update, so the step in flight
+    finishes and last.pt is saved; a second signal aborts at once."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopSignal":
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name}: finishing this step and saving last.pt "
+              "(send it again to abort without saving)", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+# ---------------------------------------------------------------- the trainer
+
+class Trainer:
+    """Holds the run: data, model, optimizer, state. `run()` is the loop; each method does one job."""
+
+    def __init__(self, cfg: Config, data_dir: Path, run_dir: Path, device: torch.device,
+                 dist: dist_utils.DistInfo) -> None:
+        from mtrain import data
+
+        self.data_dir, self.run_dir, self.device, self.dist = Path(data_dir), Path(run_dir), device, dist
+        self.tokenizer = data.load_tokenizer(data_dir)
+        self.stats = data.load_stats(data_dir)
+        self.cfg = model_config_for_data(cfg, self.tokenizer)
+        self.tcfg = self.cfg.train
+        self.train_split = data.load_split(data_dir, self.cfg.data.train_split)
+        self.valid_split = data.load_split(data_dir, self.cfg.data.valid_split)
+        self.state = TrainState()
+        self.stream = BatchStream(self.train_split, self.tcfg.max_tokens, self.tcfg.seed)
+        self._build_model()
+
+    def _build_model(self) -> None:
+        from mtrain.model import Transformer
+
+        seed = self.tcfg.seed
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
+        self.model = Transformer(self.cfg.model).to(self.device)
+        if self.dist.rank > 0:
+            torch.manual_seed(seed + 1000 * self.dist.rank)  # independent dropout masks per rank
+        self.amp_dtype = resolve_amp(self.tcfg.amp, self.device)
+        self.scaler = torch.amp.GradScaler("cuda") if self.amp_dtype == torch.float16 else None
+        t = self.tcfg
+        fused = self.device.type == "cuda"
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.0, betas=(t.adam_beta1, t.adam_beta2),
+                                          eps=t.adam_eps, weight_decay=t.weight_decay, fused=fused or None)
+        objective: nn.Module = Objective(self.model, t.label_smoothing)
+        if self.dist.enabled:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            objective = nn.parallel.DistributedDataParallel(objective, device_ids=ids)
+        if t.compile:  # after DDP, so compiled graphs see its bucketing hooks
+            objective = torch.compile(objective, dynamic=True)
+        self.objective = objective
+
+    def autocast(self) -> Any:
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    # ------------------------------------------------------------ resume
+
+    def resume(self) -> bool:
+        """Restore everything from RUN/last.pt when it exists; say so on stderr."""
+        path = self.run_dir / "last.pt"
+        if not path.is_file():
+            return False
+        ckpt = checkpoint.load(path)
+        self._check_same_model(ckpt, path)
+        ts = ckpt.get("train_state")
+        if ts is None:
+            raise MtrainError(f"{path}: holds no training state; pass a new --out folder to start a fresh run")
+        self.model.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ts["optimizer"])
+        if self.scaler is not None and ts.get("scaler"):
+            self.scaler.load_state_dict(ts["scaler"])
+        self.state = TrainState(**ts["state"])
+        self.stream.epoch, self.stream.index = self.state.epoch, self.state.batch_index
+        self._note_train_changes(ckpt["config"].get("train", {}))
+        rngs = ts["rng"]
+        if len(rngs) == self.dist.world_size:
+            set_rng_state(rngs[self.dist.rank])
+        else:
+            self.log(f"note: {path} was written by {len(rngs)} process(es), now {self.dist.world_size}; "
+                     "dropout RNG is reseeded, so this run will not match an uninterrupted one bit for bit")
+        self.log(f"resuming from {path}: step {self.state.step}, epoch {self.state.epoch}, "
+                 f"batch {self.state.batch_index}/{len(self.stream.batches(self.state.epoch))}, "
+                 f"best BLEU {max(self.state.best_bleu, 0.0):.2f}")
+        return True
+
+    def _check_same_model(self, ckpt: dict[str, Any], path: Path) -> None:
+        stored, current = ckpt["config"].get("model", {}), to_dict(self.cfg)["model"]
+        diffs = [f"{k}: {stored.get(k)!r} -> {v!r}" for k, v in current.items() if stored.get(k) != v]
+        if diffs:
+            raise MtrainError(f"{path}: the model config differs from the run being resumed ({'; '.join(diffs)}); "
+                              "use the original config, or a new --out folder for a new model")
+
+    def _note_train_changes(self, stored: dict[str, Any]) -> None:
+        current = to_dict(self.cfg)["train"]
+        changed = [f"train.{k} {stored[k]!r} -> {v!r}" for k, v in current.items() if k in stored and stored[k] != v]
+        if changed:
+            self.log("note: changed since the last run: " + ", ".join(changed))
+
+    # ------------------------------------------------------------ one update
+
+    def train_step(self, nan_steps: set[int]) -> dict[str, float] | None:
+        """One optimizer update over update_freq micro-batches per rank. Returns stats, or None
+        when the loss was non-finite and the update was skipped."""
+        t, world = self.tcfg, self.dist.world_size
+        batches = self.stream.take(world * t.update_freq)  # the same list on every rank
+        total = target_tokens(self.train_split.tgt.lengths, batches)
+        mine = batches[self.dist.rank * t.update_freq:(self.dist.rank + 1) * t.update_freq]
+        micro = [self._collate(b) for b in mine]
+        step = self.state.step + 1
+        loss_sum, nll_sum = forward_backward(self.objective, micro, total, world, self.autocast, self.scaler,
+                                             nan=step in nan_steps)
+        sums = dist_utils.all_reduce_sum(torch.tensor([loss_sum, nll_sum], dtype=torch.float64,
+                                                      device=self.device), self.dist).tolist()
+        if not math.isfinite(sums[0]):
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        lr = inverse_sqrt_lr(step, self.cfg.model.d_model, t.warmup_steps, t.lr_scale)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        grad_norm = self._clip_and_step()
+        if grad_norm is None:
+            return None
+        self.state.step = step
+        return {"loss": sums[0], "nll": sums[1], "tokens": total, "lr": lr, "grad_norm": grad_norm}
+
+    def _collate(self, batch: np.ndarray) -> tuple[torch.Tensor, ...]:
+        from mtrain import data
+
+        return data.collate(self.train_split, batch, device=self.device)
+
+    def _clip_and_step(self) -> float | None:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        max_norm = self.tcfg.clip_norm if self.tcfg.clip_norm > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        if self.scaler is not None:
+            # fp16 overflow: the scaler skips the step and lowers its scale; not a loss problem.
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        elif not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def count_nonfinite(self) -> None:
+        s = self.state
+        s.nonfinite_run += 1
+        s.nonfinite_total += 1
+        self.log(f"step {s.step + 1}: non-finite loss, update skipped ({s.nonfinite_run} in a row)")
+        if s.nonfinite_run >= self.tcfg.max_nonfinite:
+            raise MtrainError(
+                f"step {s.step + 1}: {s.nonfinite_run} non-finite losses in a row (train.max_nonfinite="
+                f"{self.tcfg.max_nonfinite}); training stopped, {self.run_dir / 'last.pt'} holds the last good state; "
+                "lower train.lr_scale, raise train.warmup_steps or set train.clip_norm, then re-run")
+
+    # ------------------------------------------------------------ validation
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, Any]:
+        """Valid loss, then BLEU/chrF of translations of the raw valid source against the raw
+        references. The RNG is forked so dropout after validation is what it would be without it."""
+        from mtrain.evaluate import score
+        from mtrain.translate import translate_lines
+
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            self.model.eval()
+            try:
+                loss, nll = self._valid_loss()
+                sources, refs = self.valid_split.src_text(), self.valid_split.tgt_text()
+                if self.tcfg.eval_max_sentences > 0:
+                    sources, refs = sources[:self.tcfg.eval_max_sentences], refs[:self.tcfg.eval_max_sentences]
+                decode = dataclasses.replace(self.cfg.decode, beam=self.tcfg.eval_beam, nbest=1)
+                with self.autocast():
+                    hyps = translate_lines(self.model, self.tokenizer, sources, decode, self.device, stats=self.stats)
+                scores = score(hyps, [refs])
+            finally:
+                self.model.train()
+        samples = [{"src": s, "ref": r, "hyp": h} for s, r, h in list(zip(sources, refs, hyps))[:N_SAMPLES]]
+        return {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50.0)), "bleu": scores["bleu"],
+                "chrf": scores["chrf"], "samples": samples}
+
+    def _valid_loss(self) -> tuple[float, float]:
+        from mtrain import data
+
+        split = self.valid_split
+        batches = data.make_batches(split.src.lengths, split.tgt.lengths, self.tcfg.max_tokens,
+                                    seed=self.tcfg.seed, epoch=0, shuffle=False)
+        loss = nll = 0.0
+        objective = Objective(self.model, self.tcfg.label_smoothing)
+        for batch in batches:
+            with self.autocast():
+                loss_sum, nll_sum = objective(*data.collate(split, batch, device=self.device))
+            loss, nll = loss + loss_sum.item(), nll + nll_sum.item()
+        tokens = max(1, target_tokens(split.tgt.lengths, batches))
+        return loss / tokens, nll / tokens
+
+    # ------------------------------------------------------------ checkpoints
+
+    def _ckpt(self, train_state: dict[str, Any] | None) -> dict[str, Any]:
+        return checkpoint.make(to_dict(self.cfg), self.model.state_dict(), self.tokenizer.to_state(),
+                               self.stats, self.state.step, train_state)
+
+    def _save(self, obj: dict[str, Any], path: Path) -> None:
+        try:
+            checkpoint.save_atomic(obj, path)
+        except Exception as err:  # disk full, permissions, a vanished folder
+            raise MtrainError(
+                f"{path}: checkpoint write failed ({type(err).__name__}: {err}); the previous checkpoints in "
+                f"{self.run_dir} are intact; free disk space and re-run the same command to resume") from None
+
+    def train_state(self, rngs: list[dict[str, Any]]) -> dict[str, Any]:
+        self.state.epoch, self.state.batch_index = self.stream.epoch, self.stream.index
+        return {"optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler is not None else {},
+                "state": dataclasses.asdict(self.state), "rng": rngs, "world_size": self.dist.world_size}
+
+    def save_last(self, with_step_file: bool) -> None:
+        """RUN/step-N.pt (model only, pruned to keep_last), then RUN/last.pt, the commit point of
+        resume. Rank 0 writes; a failure there stops every rank."""
+        rngs = self._gather_rngs()
+        error: MtrainError | None = None
+        if self.dist.is_main:
+            try:
+                if with_step_file:
+                    self._save(self._ckpt(None), self.run_dir / f"step-{self.state.step}.pt")
+                    self._prune_step_files()
+                self._save(self._ckpt(self.train_state(rngs)), self.run_dir / "last.pt")
+            except MtrainError as err:
+                error = err
+        if dist_utils.any_rank(error is not None, self.dist, self.device):
+            raise error or MtrainError(f"step {self.state.step}: rank 0 failed to write a checkpoint; "
+                                       "see its message, fix it and re-run the same command to resume")
+
+    def _gather_rngs(self) -> list[dict[str, Any]]:
+        state = rng_state()
+        if not self.dist.enabled:
+            return [state]
+        gathered: list[Any] = [None] * self.dist.world_size
+        torch.distributed.all_gather_object(gathered, state)
+        return gathered
+
+    def step_files(self) -> list[Path]:
+        files = [(int(p.stem.split("-", 1)[1]), p) for p in self.run_dir.glob("step-*.pt") if p.stem.split("-", 1)[1].isdigit()]
+        return [p for _, p in sorted(files)]
+
+    def _prune_step_files(self) -> None:
+        keep = max(self.tcfg.keep_last, self.tcfg.average_last)
+        for path in self.step_files()[:-keep] if keep > 0 else self.step_files():
+            path.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------ logging
+
+    def log(self, message: str) -> None:
+        if self.dist.is_main:
+            from tqdm import tqdm
+
+            tqdm.write(message, file=sys.stderr)
+
+
+# ---------------------------------------------------------------- the loop
+
+class Run:
+    """The loop around a Trainer: logging windows, validation/saving cadence, stopping."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.tr = trainer
+        self.metrics: MetricsLog | None = None
+        self.window_start = time.perf_counter()
+
+    def start(self) -> None:
+        tr = self.tr
+        resumed = tr.resume()
+        if tr.dist.is_main:
+            tr.run_dir.mkdir(parents=True, exist_ok=True)
+            (tr.run_dir / "config.yaml").write_text(to_yaml(tr.cfg), encoding="utf-8")
+            self.metrics = MetricsLog(tr.run_dir / "metrics.jsonl", resume_step=tr.state.step if resumed else None)
+        if not resumed:
+            tr.log(f"training {sum(p.numel() for p in tr.model.parameters()):,} parameters on {tr.device} "
+                   f"({tr.dist.world_size} process(es)); run folder {tr.run_dir}")
+
+    def record(self, event: dict[str, Any]) -> None:
+        if self.metrics is not None:
+            self.metrics.write(event)
+
+    def log_window(self, stats: dict[str, float]) -> None:
+        w = self.tr.state.window
+        w["loss"] += stats["loss"]
+        w["nll"] += stats["nll"]
+        w["tokens"] += stats["tokens"]
+        w["steps"] += 1
+        if self.tr.state.step % self.tr.tcfg.log_every:
+            return
+        elapsed = time.perf_counter() - self.window_start
+        nll = w["nll"] / max(1, w["tokens"])
+        self.record({"event": "train", "step": self.tr.state.step, "epoch": self.tr.stream.epoch,
+                     "loss": w["loss"] / max(1, w["tokens"]), "nll": nll, "ppl": math.exp(min(nll, 50.0)),
+                     "lr": stats["lr"], "grad_norm": stats["grad_norm"], "tokens_per_s": w["tokens"] / max(elapsed, 1e-9),
+                     "nonfinite": self.tr.state.nonfinite_total})
+        self.tr.state.window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "steps": 0}
+        self.window_start = time.perf_counter()
+
+    def validate(self) -> bool:
+        """Validate on rank 0; returns True when early stopping says stop (decided on rank 0)."""
+        tr, s = self.tr, self.tr.state
+        stop = False
+        if tr.dist.is_main:
+            result = tr.validate()
+            improved = result["bleu"] > s.best_bleu
+            if improved:
+                s.best_bleu, s.best_step, s.bad_evals = result["bleu"], s.step, 0
+                tr._save(tr._ckpt(None), tr.run_dir / "best.pt")
+            else:
+                s.bad_evals += 1
+            self.record({"event": "valid", "step": s.step, **result, "best_bleu": s.best_bleu, "best_step": s.best_step})
+            tr.log(f"step {s.step}: valid loss {result['loss']:.3f} ppl {result['ppl']:.2f} BLEU {result['bleu']:.2f} "
+                   f"chrF {result['chrf']:.2f}" + (" (best)" if improved else f" (best {s.best_bleu:.2f} at {s.best_step})"))
+            tr.log("\n".join(f"  src: {x['src']}\n  ref: {x['ref']}\n  hyp: {x['hyp']}" for x in result["samples"]))
+            self.plot()
+            stop = 0 < tr.tcfg.patience <= s.bad_evals
+            if stop:
+                tr.log(f"early stopping: no BLEU gain in {s.bad_evals} validations (best {s.best_bleu:.2f} at step {s.best_step})")
+        s.last_eval_step = s.step
+        # Everyone learns rank 0's decision and its early-stopping counters.
+        stop = dist_utils.broadcast_flag(stop, tr.dist, tr.device)
+        return stop
+
+    def plot(self) -> None:
+        if self.metrics is not None:
+            plot_metrics(self.metrics.records, self.tr.run_dir / "plot.png")
+
+    def loop(self, stop_signal: StopSignal) -> str:
+        """Updates until max_steps, early stopping or a signal. Returns why it stopped."""
+        from tqdm import tqdm
+
+        tr, t = self.tr, self.tr.tcfg
+        nan_steps = parse_steps(os.environ.get("MTRAIN_INJECT_NAN", ""))
+        stop_at = int(os.environ.get("MTRAIN_STOP_AT_STEP", "0") or 0)
+        bar = tqdm(total=t.max_steps, initial=tr.state.step, unit="step", file=sys.stderr,
+                   dynamic_ncols=True, disable=not tr.dist.is_main)
+        reason = "max_steps"
+        try:
+            while tr.state.step < t.max_steps:
+                start = time.perf_counter()
+                stats = tr.train_step(nan_steps)
+                if stats is None:
+                    tr.count_nonfinite()
+                    continue
+                tr.state.nonfinite_run = 0
+                self.log_window(stats)
+                bar.update(1)
+                bar.set_postfix(loss=f"{stats['loss'] / stats['tokens']:.3f}", lr=f"{stats['lr']:.2e}",
+                                tok_s=f"{stats['tokens'] / (time.perf_counter() - start):.0f}", refresh=False)
+                if tr.state.step == stop_at and stop_signal.signum is None:
+                    stop_signal.signum = signal.SIGINT
+                step = tr.state.step
+                early = self.validate() if step % t.eval_every == 0 else False
+                if early:
+                    reason = "early_stopping"
+                    break
+                interrupted = dist_utils.any_rank(stop_signal.signum is not None, tr.dist, tr.device)
+                if step % t.save_every == 0 or interrupted:
+                    tr.save_last(with_step_file=step % t.save_every == 0)
+                if interrupted:
+                    return "interrupted"
+        finally:
+            bar.close()
+        return reason
+
+    def finish(self, reason: str) -> None:
+        """Final validation (if the last step had none), last.pt + step file, averaging, plot."""
+        tr, s = self.tr, self.tr.state
+        if s.last_eval_step != s.step:
+            self.validate()
+        # Always rewrite last.pt: the final validation changed best/early-stopping state.
+        tr.save_last(with_step_file=not (tr.run_dir / f"step-{s.step}.pt").is_file())
+        if tr.dist.is_main and tr.tcfg.average_last > 0:
+            files = tr.step_files()[-tr.tcfg.average_last:]
+            checkpoint.average_checkpoints(files, tr.run_dir / "averaged.pt")
+            tr.log(f"averaged {len(files)} checkpoints -> {tr.run_dir / 'averaged.pt'}")
+        self.plot()
+
+
+def summarize(trainer: Trainer) -> dict[str, Any]:
+    """The --dry-run report: model size and what the batches look like."""
+    split = trainer.train_split
+    batches = trainer.stream.batches(1)
+    padded = [len(b) * (max(int(split.src.lengths[b].max()), int(split.tgt.lengths[b].max())) + 1) for b in batches]
+    real = [target_tokens(split.tgt.lengths, [b]) for b in batches]
+    return {
+        "parameters": sum(p.numel() for p in trainer.model.parameters()),
+        "device": str(trainer.device),
+        "train_sentences": len(split.src),
+        "valid_sentences": len(trainer.valid_split.src),
+        "batches_per_epoch": len(batches),
+        "updates_per_epoch": math.ceil(len(batches) / (trainer.tcfg.update_freq * trainer.dist.world_size)),
+        "tokens_per_batch": {"mean": round(float(np.mean(padded)), 1), "max": int(max(padded))},
+        "target_tokens_per_batch": {"mean": round(float(np.mean(real)), 1), "max": int(max(real))},
+        "max_tokens": trainer.tcfg.max_tokens,
+        "model": to_dict(trainer.cfg)["model"],
+    }
+
+
+def train(cfg: Config, data_dir: str | Path, run_dir: str | Path | None, device: str = "auto",
+          dry_run: bool = False) -> dict[str, Any]:
+    """Train (or resume, when run_dir holds last.pt) and return a summary dict."""
+    info = dist_utils.from_env()
+    torch_device = resolve_device(device)
+    if torch_device.type == "cuda" and info.enabled:
+        torch_device = torch.device("cuda", info.local_rank)
+        torch.cuda.set_device(torch_device)
+    if cfg.train.num_threads > 0:
+        torch.set_num_threads(cfg.train.num_threads)
+    dist_utils.setup(info, torch_device)
+    try:
+        trainer = Trainer(cfg, Path(data_dir), Path(run_dir or "."), torch_device, info)
+        if dry_run:
+            summary = summarize(trainer)
+            if info.is_main:
+                print(json.dumps(summary, indent=2))
+            return summary
+        return _run(trainer)
+    finally:
+        dist_utils.teardown(info)
+
+
+def _run(trainer: Trainer) -> dict[str, Any]:
+    run = Run(trainer)
+    run.start()
+    s = trainer.state
+    if s.step >= trainer.tcfg.max_steps:
+        trainer.log(f"{trainer.run_dir / 'last.pt'} is already at step {s.step} >= train.max_steps="
+                    f"{trainer.tcfg.max_steps}; raise train.max_steps to train further")
+        return {"stopped": "done", "step": s.step, "best_bleu": s.best_bleu, "best_step": s.best_step}
+    trainer.model.train()
+    with StopSignal() as stop_signal:
+        reason = run.loop(stop_signal)
+        if reason == "interrupted":
+            run.plot()
+            trainer.log(f"stopped at step {s.step}; {trainer.run_dir / 'last.pt'} saved; "
+                        "re-run the same command to resume")
+        else:
+            run.finish(reason)
+    summary = {"stopped": reason, "step": s.step, "best_bleu": s.best_bleu, "best_step": s.best_step,
+               "nonfinite": s.nonfinite_total, "run_dir": str(trainer.run_dir)}
+    if stop_signal.signum is not None:
+        summary["signal"] = int(stop_signal.signum)
+    return summary
