@@ -183,7 +183,7 @@ def _decode(proc: spm.SentencePieceProcessor, ids: list[list[int]]) -> list[str]
 
 def _visible(normalized: str) -> str:
     # normalize() marks spaces with U+2581 and keeps a leading one; decoded text has plain spaces.
-    return normalized.replace("\u2581", " ").strip()
+    return normalized.replace("\u2581", " ").strip(" ")  # not strip(): it would also eat U+0085
 
 
 def _check_special_ids(proc: spm.SentencePieceProcessor) -> None:
