@@ -247,3 +247,42 @@ def test_scorer_does_not_import_torch():
     # Validation calls score() every eval_every steps; importing it must stay cheap.
     code = "import sys, mtrain.evaluate as e; e.score(['a b'], [['a b']]); assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_checkpoint_path_scores_a_multi30k_slice(multi30k_slice, tmp_path):
+    """Translate 100 real test sentences with a tiny random model and score them end to end."""
+    pytest.importorskip("mtrain.translate", reason="mtrain/translate.py (translate_lines) has not landed yet")
+    import torch
+
+    from mtrain.checkpoint import make, save_atomic
+    from mtrain.config import Config, ModelConfig, TokenizerConfig, to_dict
+    from mtrain.evaluate import read_lines
+    from mtrain.model import Transformer
+    from mtrain.tokenizer import Tokenizer
+
+    src_train = read_lines(multi30k_slice / "train.de")
+    tgt_train = read_lines(multi30k_slice / "train.en")
+    tok_cfg = TokenizerConfig(vocab_size=500)
+    tokenizer = Tokenizer.train(src_train, tgt_train, tok_cfg)
+    model_cfg = ModelConfig(d_model=32, d_ff=64, n_heads=2, n_encoder_layers=1, n_decoder_layers=1,
+                            vocab_size=tokenizer.tgt_vocab_size)
+    torch.manual_seed(0)
+    model = Transformer(model_cfg)
+    ckpt_path = tmp_path / "run" / "best.pt"
+    save_atomic(make(to_dict(Config(model=model_cfg, tokenizer=tok_cfg)), model.state_dict(), tokenizer.to_state(), {}, 0), ckpt_path)
+
+    src, ref = multi30k_slice / "test2016.de", multi30k_slice / "test2016.en"
+    out_hyp = tmp_path / "out" / "hyp.en"
+    result = run_cli("--checkpoint", ckpt_path, "--src", src, "--ref", ref, "--beam", "2",
+                     "--output-hyp", out_hyp, "--device", "cpu", "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    n = len(read_lines(ref))
+    assert summary["n_lines"] == n == 100
+    assert all(math.isfinite(summary[k]) for k in ("bleu", "chrf", "ter"))
+    hyps = read_lines(out_hyp)
+    assert len(hyps) == n
+    # What was written is exactly what was scored.
+    again = score(hyps, [read_lines(ref)])
+    assert {k: again[k] for k in ("bleu", "chrf", "ter")} == {k: summary[k] for k in ("bleu", "chrf", "ter")}
+    assert not list(out_hyp.parent.glob(".*.tmp"))  # the atomic write left no temp file
