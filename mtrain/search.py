@@ -1,0 +1,158 @@
+"""Greedy and beam search on token ids (no text). Both share the model's KV cache: the encoder runs
+once per batch, cross-attention K/V once per sentence, and each step feeds only the newest token.
+
+Conventions. Outputs never contain BOS or EOS. A sentence with `max_len[i] = n` gets at most n
+tokens: at step n only EOS may follow (its log-probability still counts). Beam scores are
+`sum log p(y_t) / lp(len)` with the GNMT penalty lp(len) = ((5 + len) / 6) ** alpha, where
+len counts every scored token, EOS included: n tokens + EOS have len = n + 1.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mtrain.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+NEG_INF = float("-inf")
+
+
+def length_penalty(length: Tensor | int, alpha: float) -> Tensor:
+    """GNMT length penalty (Wu et al. 2016, eq. 14): ((5 + len) / 6) ** alpha, as float32."""
+    return ((5.0 + torch.as_tensor(length, dtype=torch.float32)) / 6.0) ** alpha
+
+
+def topk_step(scores: Tensor, logprobs: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Best k extensions of each sentence's beams.
+
+    scores (B, K) cumulative log-probs, logprobs (B, K, V) of the next token ->
+    (values (B, k) sorted descending, parent beam (B, k), token (B, k))."""
+    B, K, V = logprobs.shape
+    values, flat = (scores.unsqueeze(-1) + logprobs).view(B, K * V).topk(k, dim=1)
+    return values, flat // V, flat % V
+
+
+def step_logprobs(model, tokens: Tensor, memory: Tensor, src: Tensor, cache, at_max: Tensor) -> Tensor:
+    """Feed one token per row; float32 log-probs (N, V) of the next token. PAD and BOS are never
+    generated; rows at their maximum length (`at_max`, (N,) bool) may only end (EOS)."""
+    logits = model.decode(tokens.unsqueeze(1), memory, src, cache)[:, -1]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    logprobs[:, PAD_ID] = NEG_INF
+    logprobs[:, BOS_ID] = NEG_INF
+    if at_max.any():
+        eos = logprobs[:, EOS_ID].clone()
+        logprobs.masked_fill_(at_max.unsqueeze(1), NEG_INF)
+        logprobs[:, EOS_ID] = eos
+    return logprobs
+
+
+def _start(model, src: Tensor, rows_per_sentence: int):
+    """Encode once, then repeat each sentence's memory and ids for its beam rows (row b*K + k)."""
+    memory = model.encode(src)
+    if rows_per_sentence > 1:
+        memory = memory.repeat_interleave(rows_per_sentence, dim=0)
+        src = src.repeat_interleave(rows_per_sentence, dim=0)
+    return memory, src, model.new_cache()
+
+
+def _until_eos(row: list[int]) -> list[int]:
+    return row[: row.index(EOS_ID)] if EOS_ID in row else row
+
+
+@torch.inference_mode()
+def greedy_search(model, src: Tensor, max_len: Tensor) -> list[list[int]]:
+    """Most probable next token at each step. src (B, S) ids padded with PAD and ending in EOS;
+    max_len (B,) maximum output lengths. Finished sentences leave the batch (and the cache)."""
+    B = src.size(0)
+    max_len = max_len.to(src.device)
+    memory, src, cache = _start(model, src, 1)
+    out = src.new_full((B, int(max_len.max()) + 1), EOS_ID)
+    active = torch.arange(B, device=src.device)  # original index of each row still decoding
+    tokens = src.new_full((B,), BOS_ID)
+    for t in range(out.size(1)):
+        at_max = max_len[active] <= t
+        tokens = step_logprobs(model, tokens, memory, src, cache, at_max).argmax(dim=-1)
+        out[active, t] = tokens
+        going = tokens != EOS_ID
+        if not going.any():
+            break
+        if not going.all():  # drop finished rows so later steps cost less
+            keep = going.nonzero().squeeze(1)
+            active, tokens, memory, src = active[keep], tokens[keep], memory[keep], src[keep]
+            cache.reorder(keep)
+    return [_until_eos(row) for row in out.tolist()]
+
+
+@torch.inference_mode()
+def beam_search(model, src: Tensor, beam: int, lenpen: float, max_len: Tensor,
+                nbest: int = 1) -> list[list[tuple[list[int], float]]]:
+    """Beam search over a flattened (sentences x beam) batch. Returns per sentence the `nbest`
+    best (ids, score) pairs, best first; scores are length-normalised (see the module docstring).
+
+    Each step takes the 2*beam best extensions per sentence: EOS among the top `beam` finishes a
+    hypothesis (its score is then frozen), the best `beam` others stay alive. A sentence is done
+    when it has `beam` finished hypotheses that no alive one can beat, or at its max_len; done
+    sentences leave the batch."""
+    if not 1 <= nbest <= beam:
+        raise ValueError(f"need 1 <= nbest <= beam, got nbest={nbest}, beam={beam}")
+    B, K, device = src.size(0), beam, src.device
+    max_len = max_len.to(device)
+    steps = int(max_len.max()) + 1  # the last step can only add EOS
+    memory, src, cache = _start(model, src, K)
+    history = src.new_full((B * K, steps), EOS_ID)  # tokens of the alive hypotheses
+    scores = torch.full((B, K), NEG_INF, device=device)
+    scores[:, 0] = 0.0  # one live beam at the start, so the K first extensions are distinct
+    fin_scores = torch.full((B, K), NEG_INF, device=device)  # normalised, sorted descending
+    fin_tokens = src.new_full((B, K, steps), EOS_ID)
+    active = torch.arange(B, device=device)
+    tokens = src.new_full((B * K,), BOS_ID)
+    for t in range(steps):
+        A = active.numel()
+        at_max = (max_len[active] <= t).repeat_interleave(K)
+        logprobs = step_logprobs(model, tokens, memory, src, cache, at_max).view(A, K, -1)
+        values, parent, token = topk_step(scores, logprobs, 2 * K)
+        parent += torch.arange(A, device=device).unsqueeze(1) * K  # flat row of each parent
+        ended = (token[:, :K] == EOS_ID) & values[:, :K].isfinite()
+        if ended.any():
+            new = (values[:, :K] / length_penalty(t + 1, lenpen)).masked_fill(~ended, NEG_INF)
+            candidates = history[parent[:, :K]]  # (A, K, steps); column t already holds EOS
+            fin_scores[active], fin_tokens[active] = _merge(fin_scores[active], fin_tokens[active], new, candidates)
+        scores, pick = values.masked_fill(token == EOS_ID, NEG_INF).topk(K, dim=1)
+        parent, token = parent.gather(1, pick), token.gather(1, pick)
+        done = (max_len[active] <= t) | (fin_scores[active, -1] >= _best_possible(scores, t, max_len[active], lenpen))
+        if done.all():
+            break
+        keep = (~done).nonzero().squeeze(1)
+        if keep.numel() < A:  # drop done sentences: fewer rows for every later step
+            active, scores, parent, token = active[keep], scores[keep], parent[keep], token[keep]
+            rows = (keep.unsqueeze(1) * K + torch.arange(K, device=device)).flatten()
+            memory, src = memory[rows], src[rows]  # a sentence's K rows are identical: no reorder needed
+        rows = parent.flatten()
+        cache.reorder(rows)
+        history = history[rows]
+        tokens = token.flatten()
+        history[:, t] = tokens
+    return _results(fin_scores, fin_tokens, nbest)
+
+
+def _merge(fin_scores: Tensor, fin_tokens: Tensor, new_scores: Tensor, new_tokens: Tensor) -> tuple[Tensor, Tensor]:
+    """Keep the K best of K finished + K new hypotheses per sentence, sorted by score."""
+    K = fin_scores.size(1)
+    merged, pick = torch.cat([fin_scores, new_scores], dim=1).topk(K, dim=1)
+    tokens = torch.cat([fin_tokens, new_tokens], dim=1)
+    return merged, tokens.gather(1, pick.unsqueeze(-1).expand(-1, -1, tokens.size(-1)))
+
+
+def _best_possible(scores: Tensor, t: int, max_len: Tensor, lenpen: float) -> Tensor:
+    """Upper bound (A,) on the final normalised score of any alive hypothesis after step t.
+
+    Log-probs only fall as tokens are added, and a score <= 0 divided by lp(len) is largest for
+    the largest lp over the lengths still reachable (t + 2 .. max_len + 1): lp is monotone in len."""
+    lp = torch.maximum(length_penalty(t + 2, lenpen).to(scores.device), length_penalty(max_len + 1, lenpen))
+    return scores[:, 0] / lp
+
+
+def _results(fin_scores: Tensor, fin_tokens: Tensor, nbest: int) -> list[list[tuple[list[int], float]]]:
+    scores, tokens = fin_scores[:, :nbest].tolist(), fin_tokens[:, :nbest].tolist()
+    return [[(_until_eos(ids), score) for ids, score in zip(row_ids, row_scores)]
+            for row_ids, row_scores in zip(tokens, scores)]

@@ -1,0 +1,234 @@
+"""Search properties: exact beams and scores on a scripted model, beam 1 == greedy, cached ==
+uncached decoding, batching invariance and maximum lengths on a small random Transformer."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mtrain.config import ModelConfig
+from mtrain.model import Transformer
+from mtrain.search import beam_search, greedy_search, length_penalty, step_logprobs, topk_step
+from mtrain.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+A, B_, C, D = 4, 5, 6, 7  # word ids of the scripted model
+VOCAB = 8
+
+
+class ScriptedCache:
+    """The prefix generated so far per row; reorder is an index_select, as in the real cache."""
+
+    def __init__(self) -> None:
+        self.prefix: torch.Tensor | None = None
+        self.length = 0
+
+    def reorder(self, index: torch.Tensor) -> None:
+        self.prefix = self.prefix.index_select(0, index)
+
+
+class ScriptedModel:
+    """Next-token probabilities from a hand-written table keyed by (first source id, prefix).
+    Unknown prefixes end the sentence (EOS with probability 1)."""
+
+    def __init__(self, table: dict[tuple[int, tuple[int, ...]], dict[int, float]]) -> None:
+        self.table = table
+
+    def new_cache(self) -> ScriptedCache:
+        return ScriptedCache()
+
+    def encode(self, src: torch.Tensor) -> torch.Tensor:
+        return src.float().unsqueeze(-1)  # memory (B, S, 1): carries the sentence key
+
+    def decode(self, tgt, memory, src, cache):
+        assert tgt.shape[1] == 1, "search must feed only the newest token"
+        assert memory.shape[0] == src.shape[0] == tgt.shape[0]
+        cache.prefix = tgt if cache.prefix is None else torch.cat([cache.prefix, tgt], dim=1)
+        cache.length += 1
+        logits = torch.full((tgt.shape[0], 1, VOCAB), float("-inf"))
+        for row, prefix in enumerate(cache.prefix.tolist()):
+            assert prefix[0] == BOS_ID
+            probs = self.table.get((int(src[row, 0]), tuple(prefix[1:])), {EOS_ID: 1.0})
+            for token, p in probs.items():
+                logits[row, 0, token] = math.log(p)
+        return logits
+
+
+# Sentence 4: "a" is the most probable first word, but "b c" wins once lengths are normalised.
+TABLE = {
+    (A, ()): {A: 0.5, B_: 0.3, EOS_ID: 0.2},
+    (A, (A,)): {EOS_ID: 0.6, C: 0.4},
+    (A, (B_,)): {C: 0.9, EOS_ID: 0.1},
+    (A, (B_, C)): {EOS_ID: 1.0},
+    (A, (A, C)): {EOS_ID: 0.6, D: 0.4},
+    # Sentence 5: never wants to stop (EOS 0.1 each step), so only max_len ends it.
+    **{(B_, (A,) * n): {A: 0.9, EOS_ID: 0.1} for n in range(20)},
+}
+
+
+def src_of(*keys: int) -> torch.Tensor:
+    return torch.tensor([[key, EOS_ID] for key in keys])
+
+
+def lp(length: int, alpha: float) -> float:
+    return ((5 + length) / 6) ** alpha
+
+
+def test_length_penalty_is_gnmt():
+    assert length_penalty(1, 0.6).item() == pytest.approx(1.0)
+    assert length_penalty(7, 1.0).item() == pytest.approx(2.0)
+    assert length_penalty(torch.tensor([3, 13]), 0.5).tolist() == pytest.approx([(8 / 6) ** 0.5, 3 ** 0.5])
+    assert length_penalty(9, 0.0).item() == 1.0
+
+
+def test_topk_step_matches_brute_force():
+    torch.manual_seed(0)
+    scores, logprobs = torch.randn(3, 2), torch.randn(3, 2, 5)
+    values, parent, token = topk_step(scores, logprobs, 3)
+    for b in range(3):
+        every = sorted(((scores[b, k] + logprobs[b, k, v]).item(), k, v) for k in range(2) for v in range(5))[::-1]
+        assert values[b].tolist() == pytest.approx([s for s, _, _ in every[:3]])
+        assert list(zip(parent[b].tolist(), token[b].tolist())) == [(k, v) for _, k, v in every[:3]]
+
+
+def test_step_logprobs_never_pad_or_bos_and_forces_eos_at_max():
+    model = ScriptedModel(TABLE)
+    cache = model.new_cache()
+    src = src_of(A, A)
+    logprobs = step_logprobs(model, torch.full((2,), BOS_ID), model.encode(src), src, cache, torch.tensor([False, True]))
+    assert logprobs[:, PAD_ID].eq(float("-inf")).all() and logprobs[:, BOS_ID].eq(float("-inf")).all()
+    assert logprobs[0, A].item() == pytest.approx(math.log(0.5))
+    assert logprobs[1, EOS_ID].item() == pytest.approx(math.log(0.2))  # EOS keeps its own log-prob
+    assert logprobs[1].isfinite().sum() == 1
+
+
+def test_scripted_beams_scores_and_nbest_order():
+    alpha = 1.0
+    [hyps] = beam_search(ScriptedModel(TABLE), src_of(A), beam=2, lenpen=alpha, max_len=torch.tensor([10]), nbest=2)
+    # "b c" (p = .3 * .9 * 1, len 3 with EOS) beats "a" (p = .5 * .6, len 2) only after normalising.
+    assert [ids for ids, _ in hyps] == [[B_, C], [A]]
+    assert hyps[0][1] == pytest.approx(math.log(0.3 * 0.9) / lp(3, alpha))
+    assert hyps[1][1] == pytest.approx(math.log(0.5 * 0.6) / lp(2, alpha))
+    [raw] = beam_search(ScriptedModel(TABLE), src_of(A), beam=2, lenpen=0.0, max_len=torch.tensor([10]), nbest=2)
+    assert raw == [([A], pytest.approx(math.log(0.3))), ([B_, C], pytest.approx(math.log(0.27)))]
+
+
+def test_eos_outside_the_top_beam_is_not_finished():
+    # Step 0's EOS (p .2) ranks third of the 2*beam candidates: with beam 2 it is not a hypothesis.
+    [hyps] = beam_search(ScriptedModel(TABLE), src_of(A), beam=2, lenpen=0.0, max_len=torch.tensor([10]), nbest=2)
+    assert [] not in [ids for ids, _ in hyps]
+    [wide] = beam_search(ScriptedModel(TABLE), src_of(A), beam=3, lenpen=0.0, max_len=torch.tensor([10]), nbest=3)
+    assert ([], pytest.approx(math.log(0.2))) in wide
+
+
+def test_finished_hypotheses_keep_their_score():
+    # "a" finishes at step 1; the search goes on (the "a c d" branch can still win under alpha=1)
+    # and must report the score frozen at step 1, not one re-normalised at a later length.
+    [hyps] = beam_search(ScriptedModel(TABLE), src_of(A), beam=2, lenpen=1.0, max_len=torch.tensor([10]), nbest=2)
+    assert hyps[1] == ([A], pytest.approx(math.log(0.3) / lp(2, 1.0)))
+
+
+def test_max_len_per_sentence_is_respected():
+    model = ScriptedModel(TABLE)
+    src, max_len = src_of(B_, B_, B_), torch.tensor([3, 0, 1])
+    assert greedy_search(model, src, max_len) == [[A] * 3, [], [A]]
+    results = beam_search(model, src, beam=2, lenpen=0.6, max_len=max_len, nbest=1)
+    assert [r[0][0] for r in results] == [[A] * 3, [], [A]]
+    assert results[0][0][1] == pytest.approx(math.log(0.9 ** 3 * 0.1) / lp(4, 0.6))
+
+
+def test_scripted_batch_mixes_sentences():
+    model = ScriptedModel(TABLE)
+    both = beam_search(model, src_of(A, B_), beam=2, lenpen=1.0, max_len=torch.tensor([10, 2]), nbest=2)
+    assert both[0] == beam_search(model, src_of(A), beam=2, lenpen=1.0, max_len=torch.tensor([10]), nbest=2)[0]
+    assert both[1] == beam_search(model, src_of(B_), beam=2, lenpen=1.0, max_len=torch.tensor([2]), nbest=2)[0]
+
+
+# --- a small random Transformer -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    torch.manual_seed(1)
+    cfg = ModelConfig(d_model=32, d_ff=64, n_heads=4, n_encoder_layers=2, n_decoder_layers=2,
+                      vocab_size=12, dropout=0.0, max_len=64)
+    model = Transformer(cfg).eval()
+    # A random model with tied embeddings only repeats one token. An untied random projection with
+    # a raised EOS bias gives outputs that depend on source and position and end at varied lengths.
+    model.proj = torch.nn.Linear(cfg.d_model, cfg.vocab_size)
+    torch.nn.init.normal_(model.proj.weight, std=0.4)
+    torch.nn.init.zeros_(model.proj.bias)
+    model.proj.bias.data[EOS_ID] = 1.0
+    return model
+
+
+def random_batch(seed: int, n: int = 6, vocab: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded sources ending in EOS, of different lengths; max_len varies too."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 9, (n,), generator=g)
+    src = torch.full((n, int(lengths.max()) + 1), PAD_ID)
+    for i, n_tok in enumerate(lengths.tolist()):
+        src[i, :n_tok] = torch.randint(4, vocab, (n_tok,), generator=g)
+        src[i, n_tok] = EOS_ID
+    return src, lengths + 3
+
+
+def greedy_uncached(model, src, max_len) -> list[list[int]]:
+    """Reference greedy search: recompute the whole prefix every step, one sentence at a time."""
+    out = []
+    for i in range(src.size(0)):
+        row = src[i : i + 1, : int((src[i] != PAD_ID).sum())]
+        memory, prefix = model.encode(row), [BOS_ID]
+        while True:
+            logits = model.decode(torch.tensor([prefix]), memory, row)[0, -1].float()
+            logits[[PAD_ID, BOS_ID]] = float("-inf")
+            token = EOS_ID if len(prefix) - 1 >= max_len[i] else int(logits.argmax())
+            if token == EOS_ID:
+                break
+            prefix.append(token)
+        out.append(prefix[1:])
+    return out
+
+
+@torch.inference_mode()
+def test_cached_greedy_equals_uncached(model):
+    for seed in range(3):
+        src, max_len = random_batch(seed)
+        assert greedy_search(model, src, max_len) == greedy_uncached(model, src, max_len)
+
+
+def test_beam_one_equals_greedy(model):
+    # With alpha = 0 a beam of one can never prefer anything but the argmax path. (With alpha > 0
+    # it may legitimately keep searching for a longer hypothesis whose normalised score wins.)
+    for seed in range(3):
+        src, max_len = random_batch(seed)
+        beams = beam_search(model, src, beam=1, lenpen=0.0, max_len=max_len)
+        assert [hyps[0][0] for hyps in beams] == greedy_search(model, src, max_len)
+
+
+def test_random_model_outputs_are_well_formed(model):
+    src, max_len = random_batch(7)
+    for hyps, limit in zip(beam_search(model, src, beam=4, lenpen=0.6, max_len=max_len, nbest=4), max_len.tolist()):
+        scores = [score for _, score in hyps]
+        assert len(hyps) == 4 and scores == sorted(scores, reverse=True)
+        assert all(len(ids) <= limit and not {PAD_ID, BOS_ID, EOS_ID} & set(ids) for ids, _ in hyps)
+        assert len({tuple(ids) for ids, _ in hyps}) == 4  # n-best entries are distinct hypotheses
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_batch_equals_each_sentence_alone(model, beam):
+    src, max_len = random_batch(11)
+    together = beam_search(model, src, beam=beam, lenpen=0.6, max_len=max_len, nbest=beam)
+    greedy = greedy_search(model, src, max_len)
+    for i in range(src.size(0)):
+        alone_src = src[i : i + 1, : int((src[i] != PAD_ID).sum())]
+        alone = beam_search(model, alone_src, beam=beam, lenpen=0.6, max_len=max_len[i : i + 1], nbest=beam)[0]
+        assert [ids for ids, _ in together[i]] == [ids for ids, _ in alone]
+        assert [s for _, s in together[i]] == pytest.approx([s for _, s in alone], abs=1e-4)
+        assert greedy[i] == greedy_search(model, alone_src, max_len[i : i + 1])[0]
+
+
+def test_nbest_must_not_exceed_beam(model):
+    src, max_len = random_batch(0)
+    with pytest.raises(ValueError):
+        beam_search(model, src, beam=2, lenpen=0.6, max_len=max_len, nbest=3)
