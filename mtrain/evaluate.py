@@ -60,13 +60,20 @@ def check_line_counts(hyps: Sequence[str], refs: Sequence[Sequence[str]], hyp_na
 
 def warn_markers(hyps: Sequence[str], name: str = "hypotheses") -> int:
     """Warn on stderr when hypotheses look undetokenized; return how many lines do."""
-    bad = [i for i, line in enumerate(hyps, 1) if MARKERS.search(line)]
+    found: set[str] = set()
+    bad = []
+    for number, line in enumerate(hyps, 1):
+        hits = MARKERS.findall(line)
+        if hits:
+            found.update(hits)
+            bad.append(number)
     if bad:
-        print(
-            f"warning: {name}: {len(bad)} of {len(hyps)} lines contain SentencePiece markers (▁, ⁇) or special tokens"
-            f" (<unk>, <s>, </s>, <pad>), first at line {bad[0]}; score detokenized text (what `mtrain translate` writes)",
-            file=sys.stderr,
-        )
+        if found == {"⁇"}:  # decode_tgt renders a generated <unk> as ⁇: the text is detokenized
+            hint = "the model generated <unk> (SentencePiece shows it as ⁇)"
+        else:
+            hint = "score detokenized text (what `mtrain translate` writes), not SentencePiece pieces"
+        print(f"warning: {name}: {len(bad)} of {len(hyps)} lines contain {' '.join(sorted(found))}"
+              f" (first at line {bad[0]}); {hint}", file=sys.stderr)
     return len(bad)
 
 

@@ -249,29 +249,27 @@ def test_scorer_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_checkpoint_path_scores_a_multi30k_slice(multi30k_slice, tmp_path):
-    """Translate 100 real test sentences with a tiny random model and score them end to end."""
+def test_checkpoint_path_scores_a_multi30k_slice(tokenized_slice, tmp_path):
+    """Translate the 100 real test sentences of the slice with a tiny random model and score them."""
     pytest.importorskip("mtrain.translate", reason="mtrain/translate.py (translate_lines) has not landed yet")
     import torch
 
     from mtrain.checkpoint import make, save_atomic
-    from mtrain.config import Config, ModelConfig, TokenizerConfig, to_dict
+    from mtrain.config import Config, ModelConfig, to_dict
+    from mtrain.data import load_stats, load_tokenizer
     from mtrain.evaluate import read_lines
     from mtrain.model import Transformer
-    from mtrain.tokenizer import Tokenizer
 
-    src_train = read_lines(multi30k_slice / "train.de")
-    tgt_train = read_lines(multi30k_slice / "train.en")
-    tok_cfg = TokenizerConfig(vocab_size=500)
-    tokenizer = Tokenizer.train(src_train, tgt_train, tok_cfg)
+    tokenizer = load_tokenizer(tokenized_slice)
     model_cfg = ModelConfig(d_model=32, d_ff=64, n_heads=2, n_encoder_layers=1, n_decoder_layers=1,
                             vocab_size=tokenizer.tgt_vocab_size)
     torch.manual_seed(0)
     model = Transformer(model_cfg)
+    ckpt = make(to_dict(Config(model=model_cfg)), model.state_dict(), tokenizer.to_state(), load_stats(tokenized_slice), 0)
     ckpt_path = tmp_path / "run" / "best.pt"
-    save_atomic(make(to_dict(Config(model=model_cfg, tokenizer=tok_cfg)), model.state_dict(), tokenizer.to_state(), {}, 0), ckpt_path)
+    save_atomic(ckpt, ckpt_path)
 
-    src, ref = multi30k_slice / "test2016.de", multi30k_slice / "test2016.en"
+    src, ref = tokenized_slice / "test2016.src.txt", tokenized_slice / "test2016.tgt.txt"
     out_hyp = tmp_path / "out" / "hyp.en"
     result = run_cli("--checkpoint", ckpt_path, "--src", src, "--ref", ref, "--beam", "2",
                      "--output-hyp", out_hyp, "--device", "cpu", "--json")
@@ -286,3 +284,10 @@ def test_checkpoint_path_scores_a_multi30k_slice(multi30k_slice, tmp_path):
     again = score(hyps, [read_lines(ref)])
     assert {k: again[k] for k in ("bleu", "chrf", "ter")} == {k: summary[k] for k in ("bleu", "chrf", "ter")}
     assert not list(out_hyp.parent.glob(".*.tmp"))  # the atomic write left no temp file
+
+
+def test_unk_rendering_gets_its_own_hint(tmp_path, files):
+    _, ref, _ = files
+    hyp = write(tmp_path / "unk.txt", ["The ⁇ sat on the mat."] + HYP[1:])
+    result = run_cli("--hyp", hyp, "--ref", ref)
+    assert "warning" in result.stderr and "<unk>" in result.stderr and "line 1" in result.stderr
