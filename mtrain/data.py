@@ -16,7 +16,7 @@ import numpy as np
 
 from mtrain.config import Config
 from mtrain.errors import MtrainError
-from mtrain.tokenizer import BOS_ID, EOS_ID, PAD_ID, SPECIAL_IDS, Tokenizer
+from mtrain.tokenizer import BOS_ID, EOS_ID, MODEL_TYPES, PAD_ID, SPECIAL_IDS, Tokenizer
 
 DEFAULT_DATA_DIR = Path("data/multi30k")
 DEFAULT_HF_DATASET = "bentrevett/multi30k"
@@ -304,6 +304,8 @@ def tokenize_corpus(
     src, tgt = cfg.data.src, cfg.data.tgt
     if src == tgt:
         raise MtrainError(f"--src and --tgt are both {src!r}; give two different language suffixes")
+    if cfg.tokenizer.model_type not in MODEL_TYPES:
+        raise MtrainError(f"--model-type {cfg.tokenizer.model_type!r}: unknown; use one of {', '.join(MODEL_TYPES)}")
     corpus, source = read_corpus(data_dir, splits, src, tgt, hf_dataset)
 
     train_split = splits[0]
