@@ -70,10 +70,14 @@ def read_text_pair(src_path: Path, tgt_path: Path) -> Pairs:
     src_lines, tgt_lines = read_lines(src_path), read_lines(tgt_path)
     if len(src_lines) != len(tgt_lines):
         raise MtrainError(
-            f"{tgt_path}:{min(len(src_lines), len(tgt_lines)) + 1}: {len(tgt_lines)} lines, but {src_path} has "
-            f"{len(src_lines)}; line i of each side must translate line i of the other, so fix the alignment"
+            f"{tgt_path}:{min(len(src_lines), len(tgt_lines)) + 1}: {_lines(len(tgt_lines))}, but {src_path} has "
+            f"{_lines(len(src_lines))}; line i of each side must translate line i of the other, so fix the alignment"
         )
     return src_lines, tgt_lines
+
+
+def _lines(n: int) -> str:
+    return f"{n} line" if n == 1 else f"{n} lines"
 
 
 def read_tsv(path: Path, src: str, tgt: str) -> Pairs:
@@ -177,6 +181,8 @@ def read_corpus(
     data_dir: Optional[Path], splits: Sequence[str], src: str, tgt: str, hf_dataset: Optional[str] = None
 ) -> tuple[dict[str, Pairs], str]:
     """Every split, fully checked, before any work starts. Returns (splits, a description of the source)."""
+    if hf_dataset and data_dir is not None:
+        raise MtrainError(f"--data {data_dir} and --hf-dataset {hf_dataset}: pass only one of them")
     if hf_dataset:
         return read_hf_dataset(hf_dataset, splits, src, tgt), f"hf:{hf_dataset}"
     if data_dir is None:
@@ -317,7 +323,9 @@ def tokenize_corpus(
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "meta.json").unlink(missing_ok=True)  # the folder is incomplete until the end
+    # The folder is incomplete until meta.json is back; stale models of an earlier joint/separate run must go.
+    for name in ("meta.json", "spm.model", "spm.src.model", "spm.tgt.model"):
+        (out_dir / name).unlink(missing_ok=True)
     kind = "joint" if cfg.tokenizer.joint else "separate"
     print(
         f"training SentencePiece ({cfg.tokenizer.model_type}, {kind}, vocab {cfg.tokenizer.vocab_size}) "

@@ -113,6 +113,11 @@ def test_no_data_anywhere_says_both_ways(tmp_path, monkeypatch):
     assert "data/multi30k" in message and "--hf-dataset bentrevett/multi30k" in message and "\n" not in message
 
 
+def test_data_and_hf_dataset_are_exclusive(tmp_path):
+    with pytest.raises(MtrainError, match="pass only one of them"):
+        read_corpus(tmp_path, ["train"], "de", "en", hf_dataset="bentrevett/multi30k")
+
+
 def test_hf_dataset_failure_is_one_line(monkeypatch):
     import datasets
 

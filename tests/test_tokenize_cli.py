@@ -82,11 +82,11 @@ def test_tokenize_separate_bpe(multi30k_dir, tmp_path):
                 "".join(line + "\n" for line in read_lines(multi30k_dir / f"{split}.{side}")[:n]), encoding="utf-8"
             )
     out = tmp_path / "tok"
-    result = tokenize(
-        "--data", str(data), "--out", str(out), "--splits", "train,valid",
-        "--separate", "--model-type", "bpe", "--vocab-size", "500",
-    )
+    common = ("--data", str(data), "--out", str(out), "--splits", "train,valid", "--vocab-size", "500")
+    assert tokenize(*common).exit_code == 0 and (out / "spm.model").is_file()
+    result = tokenize(*common, "--separate", "--model-type", "bpe")  # into the same folder
     assert result.exit_code == 0, result.output
+    assert not (out / "spm.model").exists()  # the earlier joint model is gone, not left to confuse loaders
     meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))
     assert meta["joint"] is False and meta["splits"] == ["train", "valid"] and meta["tokenizer"]["model_type"] == "bpe"
     assert (out / "spm.src.model").is_file() and (out / "spm.tgt.model").is_file()
@@ -110,7 +110,7 @@ def test_missing_split(corpus, tmp_path):
 def test_line_count_mismatch(corpus, tmp_path):
     (corpus / "test2016.en").write_text("A dog.\n", encoding="utf-8")
     result = tokenize("--data", str(corpus), "--out", str(tmp_path / "out"))
-    assert_one_line_error(result, f"{corpus / 'test2016.en'}:2: 1 lines", f"{corpus / 'test2016.de'} has 2", "fix the alignment")
+    assert_one_line_error(result, f"{corpus / 'test2016.en'}:2: 1 line,", f"{corpus / 'test2016.de'} has 2", "fix the alignment")
 
 
 def test_invalid_utf8(corpus, tmp_path):
