@@ -4,6 +4,7 @@ No torch at import time; sacrebleu itself is imported on first use."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -190,12 +191,7 @@ def format_report(results, n_lines: int, n_refs: int, worst: list[dict[str, Any]
     return "\n".join(out)
 
 
-def run_eval(hyp: Path | None, refs: list[Path], checkpoint: Path | None, src: Path | None,
-             output_hyp: Path | None, decode, lowercase: bool = False, tokenize: str | None = None,
-             worst: int = 0, as_json: bool = False, device: str = "auto") -> dict[str, Any]:
-    """`mtrain eval`: score a hypothesis file, or translate --src with a checkpoint and score that.
-
-    Prints the metrics with signatures (or one JSON object with --json) on stdout; returns the dict."""
+def _check_options(hyp, checkpoint, src, output_hyp, worst: int) -> None:
     if (hyp is None) == (checkpoint is None):
         raise MtrainError("pass exactly one of --hyp FILE (score it) or --checkpoint FILE --src FILE (translate, then score)")
     if checkpoint is not None and src is None:
@@ -204,20 +200,31 @@ def run_eval(hyp: Path | None, refs: list[Path], checkpoint: Path | None, src: P
         raise MtrainError("--src and --output-hyp apply only with --checkpoint; drop them or use --checkpoint")
     if worst < 0:
         raise MtrainError(f"--worst {worst}: must be 0 or a positive number of lines")
+
+
+def _hypotheses(hyp, checkpoint, src, output_hyp, decode, device, ref_lines, ref_names) -> tuple[list[str], str]:
+    """(hypothesis lines, name for messages): read --hyp, or translate --src with the checkpoint."""
+    if hyp is not None:
+        return read_lines(hyp), str(hyp)
+    src_lines = read_lines(src)
+    check_line_counts(src_lines, ref_lines, str(src), ref_names)  # fail before a long translation
+    hyps = _translate(checkpoint, src_lines, dataclasses.replace(decode, nbest=1), device)
+    if output_hyp is not None:
+        write_lines_atomic(hyps, output_hyp)  # before scoring: keep the translations whatever happens
+    return hyps, f"translations of {src}"
+
+
+def run_eval(hyp: Path | None, refs: list[Path], checkpoint: Path | None, src: Path | None,
+             output_hyp: Path | None, decode, lowercase: bool = False, tokenize: str | None = None,
+             worst: int = 0, as_json: bool = False, device: str = "auto") -> dict[str, Any]:
+    """`mtrain eval`: score a hypothesis file, or translate --src with a checkpoint and score that.
+
+    Prints the metrics with signatures (or one JSON object with --json) on stdout; returns the dict."""
+    _check_options(hyp, checkpoint, src, output_hyp, worst)
     ref_lines = [read_lines(path) for path in refs]
     ref_names = [str(path) for path in refs]
-    # Validate the tokenizer before a possibly long translation.
-    _metrics(lowercase, tokenize)
-    if checkpoint is not None:
-        src_lines = read_lines(src)
-        check_line_counts(src_lines, ref_lines, str(src), ref_names)  # fail before translating
-        hyps = _translate(checkpoint, src_lines, decode, device)
-        hyp_name = "translations"
-        if output_hyp is not None:
-            write_lines_atomic(hyps, output_hyp)
-    else:
-        hyps = read_lines(hyp)
-        hyp_name = str(hyp)
+    _metrics(lowercase, tokenize)  # an unknown --tokenize fails now, not after translating
+    hyps, hyp_name = _hypotheses(hyp, checkpoint, src, output_hyp, decode, device, ref_lines, ref_names)
     check_line_counts(hyps, ref_lines, hyp_name, ref_names)
     warn_markers(hyps, hyp_name)
     results = _corpus_scores(hyps, ref_lines, lowercase, tokenize)
