@@ -290,6 +290,15 @@ def write_split(out_dir: Path, split: str, tok: Tokenizer, pairs: Pairs, bar) ->
     return length_stats(lengths["src"], lengths["tgt"])
 
 
+def _check_arguments(cfg: Config, splits: Sequence[str]) -> None:
+    if not splits or len(set(splits)) != len(splits):
+        raise MtrainError(f"--splits {','.join(splits)}: give distinct split names, e.g. train,valid,test2016")
+    if cfg.data.src == cfg.data.tgt:
+        raise MtrainError(f"--src and --tgt are both {cfg.data.src!r}; give two different language suffixes")
+    if cfg.tokenizer.model_type not in MODEL_TYPES:
+        raise MtrainError(f"--model-type {cfg.tokenizer.model_type!r}: unknown; use one of {', '.join(MODEL_TYPES)}")
+
+
 def tokenize_corpus(
     cfg: Config,
     data_dir: Optional[Path],
@@ -305,69 +314,67 @@ def tokenize_corpus(
 
     started = time.perf_counter()
     splits = [s.strip() for s in splits if s.strip()]
-    if not splits or len(set(splits)) != len(splits):
-        raise MtrainError(f"--splits {','.join(splits)}: give distinct split names, e.g. train,valid,test2016")
-    src, tgt = cfg.data.src, cfg.data.tgt
-    if src == tgt:
-        raise MtrainError(f"--src and --tgt are both {src!r}; give two different language suffixes")
-    if cfg.tokenizer.model_type not in MODEL_TYPES:
-        raise MtrainError(f"--model-type {cfg.tokenizer.model_type!r}: unknown; use one of {', '.join(MODEL_TYPES)}")
-    corpus, source = read_corpus(data_dir, splits, src, tgt, hf_dataset)
+    _check_arguments(cfg, splits)
+    corpus, source = read_corpus(data_dir, splits, cfg.data.src, cfg.data.tgt, hf_dataset)
 
     train_split = splits[0]
     n_in = len(corpus[train_split][0])
     kept_src, kept_tgt, dropped = clean_pairs(*corpus[train_split], cfg.data.max_len, cfg.data.max_ratio, cfg.data.dedup)
     corpus[train_split] = (kept_src, kept_tgt)
-    report = cleaning_report(train_split, n_in, len(kept_src), dropped, cfg)
-    print(report, file=sys.stderr)
+    print(cleaning_report(train_split, n_in, len(kept_src), dropped, cfg), file=sys.stderr)
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # The folder is incomplete until meta.json is back; stale models of an earlier joint/separate run must go.
-    for name in ("meta.json", "spm.model", "spm.src.model", "spm.tgt.model"):
-        (out_dir / name).unlink(missing_ok=True)
     kind = "joint" if cfg.tokenizer.joint else "separate"
     print(
         f"training SentencePiece ({cfg.tokenizer.model_type}, {kind}, vocab {cfg.tokenizer.vocab_size}) "
         f"on {len(kept_src)} {train_split} pairs",
         file=sys.stderr,
     )
-    tok = Tokenizer.train(kept_src, kept_tgt, cfg.tokenizer, out_dir)
+    tok = Tokenizer.train(kept_src, kept_tgt, cfg.tokenizer)
 
-    total = sum(len(pairs[0]) + len(pairs[1]) for pairs in corpus.values())
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # The folder is incomplete until meta.json is back; stale models of an earlier joint/separate run must go.
+    for name in ("meta.json", "spm.model", "spm.src.model", "spm.tgt.model"):
+        (out_dir / name).unlink(missing_ok=True)
+    tok.save(out_dir)
     split_stats = {}
+    total = sum(len(pairs[0]) + len(pairs[1]) for pairs in corpus.values())
     with tqdm(total=total, desc="encoding", unit=" lines", file=sys.stderr, leave=False) as bar:
         for split in splits:
             split_stats[split] = write_split(out_dir, split, tok, corpus[split], bar)
 
-    stats = {
-        "src": src,
-        "tgt": tgt,
+    cleaning = {"split": train_split, "input_pairs": n_in, "kept_pairs": len(kept_src), "dropped": dropped}
+    stats = _stats(cfg, train_split, cleaning, split_stats)
+    _write_json(out_dir / "stats.json", stats)
+    _write_json(out_dir / "meta.json", _meta(cfg, tok, splits, source))
+    lines = ", ".join(f"{s} {split_stats[s]['lines']}" for s in splits)
+    print(f"wrote {out_dir} ({lines} pairs) in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+    return stats
+
+
+def _stats(cfg: Config, train_split: str, cleaning: dict, split_stats: dict) -> dict[str, Any]:
+    return {
+        "src": cfg.data.src,
+        "tgt": cfg.data.tgt,
         "train_split": train_split,
-        "cleaning": {
-            "split": train_split,
-            "input_pairs": n_in,
-            "kept_pairs": len(kept_src),
-            "dropped": dropped,
-            "max_len": cfg.data.max_len,
-            "max_ratio": cfg.data.max_ratio,
-            "dedup": cfg.data.dedup,
-        },
+        "cleaning": {**cleaning, "max_len": cfg.data.max_len, "max_ratio": cfg.data.max_ratio, "dedup": cfg.data.dedup},
         "splits": split_stats,
         # What the decoder uses for the maximum output length: the training split's ratio.
         "tgt_src_ratio": split_stats[train_split]["tgt_src_ratio"],
     }
-    _write_json(out_dir / "stats.json", stats)
-    meta = {
+
+
+def _meta(cfg: Config, tok: Tokenizer, splits: list[str], source: str) -> dict[str, Any]:
+    return {
         "format": FORMAT_VERSION,
-        "src": src,
-        "tgt": tgt,
+        "src": cfg.data.src,
+        "tgt": cfg.data.tgt,
         "joint": tok.joint,
         "src_vocab_size": tok.src_vocab_size,
         "tgt_vocab_size": tok.tgt_vocab_size,
         "special_ids": dict(SPECIAL_IDS),
         "splits": list(splits),
-        "train_split": train_split,
+        "train_split": splits[0],
         "source": source,
         "tokenizer": {
             "model_type": cfg.tokenizer.model_type,
@@ -376,10 +383,6 @@ def tokenize_corpus(
             "byte_fallback": True,
         },
     }
-    _write_json(out_dir / "meta.json", meta)
-    lines = ", ".join(f"{s} {split_stats[s]['lines']}" for s in splits)
-    print(f"wrote {out_dir} ({lines} pairs) in {time.perf_counter() - started:.1f}s", file=sys.stderr)
-    return stats
 
 
 def _write_json(path: Path, obj: Any) -> None:

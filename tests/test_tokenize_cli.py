@@ -129,6 +129,7 @@ def test_no_data_and_no_hf_dataset(tmp_path, monkeypatch):
 def test_vocab_size_too_large(corpus, tmp_path):
     result = tokenize("--data", str(corpus), "--out", str(tmp_path / "out"), "--vocab-size", "8000")
     assert_one_line_error(result, "--vocab-size 8000 is too large", "pass a smaller --vocab-size")
+    assert not (tmp_path / "out").exists()
 
 
 def test_unknown_model_type(corpus, tmp_path):
