@@ -141,7 +141,7 @@ def translate(
     beam: Optional[int] = typer.Option(None, "--beam", help="Beam size [decode.beam]."),
     greedy: bool = typer.Option(False, "--greedy", help="Greedy search (same as --beam 1)."),
     lenpen: Optional[float] = typer.Option(None, "--lenpen", help="Length penalty alpha [decode.lenpen]."),
-    max_len_a: Optional[float] = typer.Option(None, "--max-len-a", help="Max output length = a * src_len + b [decode.max_len_a]."),
+    max_len_a: Optional[float] = typer.Option(None, "--max-len-a", help="Max output length = a * src_len + b (in tokens) [decode.max_len_a]; raised to the training data's tgt/src length ratio (mean + 2 std) when that is larger."),
     max_len_b: Optional[int] = typer.Option(None, "--max-len-b", help="[decode.max_len_b]."),
     nbest: Optional[int] = typer.Option(None, "--nbest", help="Print N index<TAB>score<TAB>translation lines per input."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Source tokens per batch [decode.max_tokens]."),

@@ -1,0 +1,189 @@
+"""translate_lines and `mtrain translate`: one output line per input line, input order restored
+after length sorting, empty and overlong lines, n-best format, atomic output, argument errors."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mtrain.cli import app
+from mtrain.config import DecodeConfig
+from mtrain.tokenizer import EOS_ID
+from mtrain.translate import make_batches, translate_lines
+
+REAL = [
+    "Ein Mann fährt Fahrrad.",
+    "Zwei Hunde spielen im Schnee mit einem roten Ball, während ein Kind zuschaut.",
+    "Eine Frau.",
+    "Kinder laufen am Strand entlang und lachen über die großen Wellen.",
+]
+
+
+class CopyCache:
+    def __init__(self) -> None:
+        self.length = 0
+
+    def reorder(self, index: torch.Tensor) -> None:  # every row is at the same position
+        pass
+
+
+class CopyModel:
+    """Emits its source token by token (probability 0.9, the rest spread evenly), then EOS: the
+    translation of a line is the line itself, so any misplaced or cut line is visible in the text."""
+
+    def __init__(self, vocab_size: int, max_len: int = 256) -> None:
+        self.cfg = SimpleNamespace(max_len=max_len)
+        self.vocab_size = vocab_size
+
+    def new_cache(self) -> CopyCache:
+        return CopyCache()
+
+    def encode(self, src: torch.Tensor) -> torch.Tensor:
+        return src.float().unsqueeze(-1)
+
+    def decode(self, tgt, memory, src, cache):
+        position = min(cache.length, src.size(1) - 1)
+        cache.length += 1
+        probs = torch.full((tgt.size(0), 1, self.vocab_size), 0.1 / (self.vocab_size - 1))
+        probs.scatter_(2, src[:, position].view(-1, 1, 1), 0.9)
+        return probs.log()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenized_slice):
+    from mtrain.data import load_tokenizer
+
+    return load_tokenizer(tokenized_slice)
+
+
+def test_make_batches_respects_the_budget_and_covers_every_line():
+    lengths = [5, 1, 9, 3, 3, 7, 2, 20, 4]
+    batches = make_batches(lengths, max_tokens=16)
+    assert sorted(i for batch in batches for i in batch) == list(range(len(lengths)))
+    for batch in batches:
+        longest = max(lengths[i] for i in batch)
+        assert len(batch) == 1 or len(batch) * (longest + 1) <= 16
+    flat = [lengths[i] for batch in batches for i in batch]
+    assert flat == sorted(lengths, reverse=True)  # sorted by length: little padding
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_order_restored_and_empty_and_overlong_lines(tokenizer, beam, capsys):
+    long_line = " ".join(["Hund"] * 300)
+    lines = [REAL[0], "", REAL[1], "   \t", long_line, REAL[2], long_line + " Katze", REAL[3], ""]
+    model = CopyModel(tokenizer.tgt_vocab_size, max_len=64)
+    decode = DecodeConfig(beam=beam, max_len_a=1.0, max_len_b=5, max_tokens=40)  # several batches
+    out = translate_lines(model, tokenizer, lines, decode, "cpu")
+    assert len(out) == len(lines)
+    expected = tokenizer.normalize_src(lines)
+    for i in (0, 2, 5, 7):  # real lines come back as themselves, each at its own index
+        assert out[i] == expected[i]
+    assert out[1] == out[3] == out[8] == ""
+    cut = tokenizer.decode_src([tokenizer.encode_src([long_line])[0][:63]])[0]
+    assert out[4] == out[6] == cut  # cut to max_len - 1 tokens (room for EOS)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "2 input line" in warnings[0]
+
+
+def test_max_len_cuts_the_copy(tokenizer):
+    model = CopyModel(tokenizer.tgt_vocab_size)
+    [out] = translate_lines(model, tokenizer, [REAL[1]], DecodeConfig(beam=2, max_len_a=0.0, max_len_b=3), "cpu")
+    assert out == tokenizer.decode_tgt([tokenizer.encode_src([REAL[1]])[0][:3]])[0]
+
+
+def test_translations_never_add_lines(tokenizer):
+    """A model may emit a newline byte piece; the output line must stay one line."""
+    pieces = tokenizer.decode_tgt([[i] for i in range(tokenizer.tgt_vocab_size)])
+    newline = pieces.index("\n")  # the byte-fallback piece <0x0A>
+
+    class NewlineModel(CopyModel):
+        def decode(self, tgt, memory, src, cache):
+            logits = torch.zeros(tgt.size(0), 1, self.vocab_size)
+            logits[:, 0, newline if cache.length < 2 else EOS_ID] = 10.0
+            cache.length += 1
+            return logits
+
+    out = translate_lines(NewlineModel(tokenizer.tgt_vocab_size), tokenizer, ["a", "b"], DecodeConfig(beam=1), "cpu")
+    assert len(out) == 2 and all("\n" not in line for line in out)
+
+
+# --- the command line, on a tiny random checkpoint ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def checkpoint(tokenizer, tokenized_slice, tmp_path_factory):
+    from mtrain.checkpoint import make, save_atomic
+    from mtrain.config import Config, ModelConfig, to_dict
+    from mtrain.data import load_stats
+    from mtrain.model import Transformer
+
+    cfg = ModelConfig(d_model=32, d_ff=64, n_heads=2, n_encoder_layers=1, n_decoder_layers=1,
+                      vocab_size=tokenizer.tgt_vocab_size, max_len=48)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    path = tmp_path_factory.mktemp("run") / "best.pt"
+    save_atomic(make(to_dict(Config(model=cfg)), model.state_dict(), tokenizer.to_state(),
+                     load_stats(tokenized_slice), 0), path)
+    return path
+
+
+def run(*args, input: str | bytes | None = None):
+    return CliRunner().invoke(app, ["translate", *map(str, args)], input=input)
+
+
+def test_cli_file_to_file_is_line_aligned_and_atomic(checkpoint, tmp_path):
+    lines = REAL + ["", " ".join(["Hund"] * 100), "  "] + REAL[:2]
+    src = tmp_path / "in.de"
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "deep" / "out.en"
+    result = run("--checkpoint", checkpoint, "--input", src, "--output", out, "--beam", "2", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    written = out.read_text(encoding="utf-8").split("\n")
+    assert written[-1] == "" and len(written) - 1 == len(lines)
+    assert written[4] == written[6] == ""
+    assert "1 input line" in result.stderr  # the overlong line, cut with a warning
+    assert not list(out.parent.glob(".*.tmp"))
+    # stdin to stdout gives the same lines; the last line needs no trailing newline
+    piped = run("--checkpoint", checkpoint, "--beam", "2", "--device", "cpu", input="\n".join(lines))
+    assert piped.exit_code == 0, piped.output
+    assert piped.stdout == out.read_text(encoding="utf-8")
+
+
+def test_cli_nbest_format(checkpoint):
+    result = run("--checkpoint", checkpoint, "--beam", "3", "--nbest", "2", "--device", "cpu",
+                 input=REAL[0] + "\n\n" + REAL[2] + "\n")
+    assert result.exit_code == 0, result.output
+    rows = [line.split("\t") for line in result.stdout.splitlines()]
+    assert [int(r[0]) for r in rows] == [0, 0, 1, 1, 2, 2] and all(len(r) == 3 for r in rows)
+    for first, second in (rows[0:2], rows[4:6]):
+        assert math.isfinite(float(first[1])) and float(first[1]) >= float(second[1])
+    assert rows[2][2] == rows[3][2] == ""
+
+
+def test_cli_invalid_utf8_names_the_line_and_keeps_the_old_output(checkpoint, tmp_path):
+    src = tmp_path / "bad.de"
+    src.write_bytes(REAL[0].encode() + b"\n" + b"caf\xe9\n")
+    out = tmp_path / "out.en"
+    out.write_text("previous\n", encoding="utf-8")
+    result = run("--checkpoint", checkpoint, "--input", src, "--output", out, "--device", "cpu")
+    assert result.exit_code == 1
+    assert f"{src}:2: invalid UTF-8" in result.stderr and "Traceback" not in result.output
+    assert out.read_text(encoding="utf-8") == "previous\n"
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--beam", "0"], "--beam 0"),
+    (["--beam", "2", "--nbest", "3"], "--nbest 3"),
+    (["--greedy", "--nbest", "2"], "--nbest 2"),
+    (["--max-len-a", "-1"], "--max-len-a"),
+    (["--max-len-b", "-2"], "--max-len-b"),
+    (["--device", "cuda:7"] if not torch.cuda.is_available() else ["--device", "nonsense"], "--device"),
+])
+def test_cli_bad_arguments_fail_in_one_line(checkpoint, args, needle):
+    result = run("--checkpoint", checkpoint, *args, input="Hallo\n")
+    assert result.exit_code == 1
+    assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
