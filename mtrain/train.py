@@ -2,7 +2,8 @@
 LR schedule, validation BLEU, atomic checkpoints and exact resume (re-run the same command).
 
 Fault injection for tests (environment variables, read at start):
-  MTRAIN_INJECT_NAN="3,5-7"  the loss of these updates (1-based step numbers) becomes NaN;
+  MTRAIN_INJECT_NAN="3,5-7"  the loss of these update attempts becomes NaN (attempts count from 1
+                             and include skipped updates, so "3" is one NaN, then training goes on);
   MTRAIN_STOP_AT_STEP=4      behave as if SIGINT arrived during update 4 (save last.pt, stop).
 """
 
@@ -342,8 +343,9 @@ class Trainer:
         mine = batches[self.dist.rank * t.update_freq:(self.dist.rank + 1) * t.update_freq]
         micro = [self._collate(b) for b in mine]
         step = self.state.step + 1
+        attempt = step + self.state.nonfinite_total
         loss_sum, nll_sum = forward_backward(self.objective, micro, total, world, self.autocast, self.scaler,
-                                             nan=step in nan_steps)
+                                             nan=attempt in nan_steps)
         sums = dist_utils.all_reduce_sum(torch.tensor([loss_sum, nll_sum], dtype=torch.float64,
                                                       device=self.device), self.dist).tolist()
         if not math.isfinite(sums[0]):
