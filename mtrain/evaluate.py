@@ -154,25 +154,12 @@ def write_lines_atomic(lines: Sequence[str], path: str | Path) -> None:
         raise
 
 
-def _resolve_device(device: str):
-    import torch
-
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError:
-        raise MtrainError(f"--device {device}: not a device name; use auto, cpu, cuda or cuda:N") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise MtrainError(f"--device {device}: CUDA is not available here; use --device cpu (or auto)")
-    return resolved
-
-
 def _translate(checkpoint: Path, lines: list[str], decode, device: str) -> list[str]:
     from mtrain.checkpoint import load_model
-    from mtrain.translate import translate_lines
+    from mtrain.translate import check_decode, resolve_device, translate_lines
 
-    resolved = _resolve_device(device)
+    check_decode(decode)
+    resolved = resolve_device(device)
     model, tokenizer, ckpt = load_model(checkpoint, resolved)
     return translate_lines(model, tokenizer, lines, decode, resolved, stats=ckpt.get("stats") or None, progress=True)
 
