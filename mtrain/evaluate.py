@@ -82,10 +82,9 @@ def _metrics(lowercase: bool, tokenize: str | None, sentence: bool = False):
     """The three sacrebleu metric objects. TER keeps sacrebleu's default (case-insensitive, as
     TERCOM), so without --lowercase all three match `sacrebleu -m bleu chrf ter` exactly."""
     from sacrebleu.metrics import BLEU, CHRF, TER
-    from sacrebleu.metrics.bleu import _TOKENIZERS
 
-    if tokenize is not None and tokenize not in _TOKENIZERS:
-        raise MtrainError(f"--tokenize {tokenize}: unknown sacrebleu tokenizer; use one of {', '.join(_TOKENIZERS)}")
+    if tokenize is not None and tokenize not in BLEU.TOKENIZERS:
+        raise MtrainError(f"--tokenize {tokenize}: unknown sacrebleu tokenizer; use one of {', '.join(BLEU.TOKENIZERS)}")
     try:
         # Sentence-level BLEU needs effective order, or one missing 4-gram zeroes a short sentence.
         bleu = BLEU(lowercase=lowercase, tokenize=tokenize, effective_order=sentence)
