@@ -1,0 +1,248 @@
+"""Decoding speed, side by side: mtrain greedy and beam 5, Hugging Face `MarianMTModel.generate`
+(beam 5) and CTranslate2 (beam 5, when installed) on the same Multi30k test2016 sentences.
+
+The models are randomly initialised at one shape (post-norm, d_model 256, 3+3 layers, d_ff 1024,
+4 heads, vocab 8000), so every system is made to decode exactly the same number of steps: each
+batch gets one target length L (its longest source, in tokens) and EOS is suppressed before it.
+All systems see the same length-sorted batches (mtrain's 4096 source-token budget).
+
+    python benchmarks/decode.py [--quick] [--json] [--sentences N] [--threads T]
+
+Prints a table (stderr with --json) and, with --json, one JSON object on stdout with
+mtrain_greedy_sent_s, mtrain_beam5_sent_s, hf_beam5_sent_s, ct2_beam5_sent_s (when installed),
+the matching *_tok_s (target tokens/s: decoding steps x sentences) and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mtrain.config import ModelConfig, TokenizerConfig  # noqa: E402
+from mtrain.model import Transformer  # noqa: E402
+from mtrain.search import beam_search, greedy_search  # noqa: E402
+from mtrain.tokenizer import EOS_ID, PAD_ID, Tokenizer  # noqa: E402
+from mtrain.translate import make_batches  # noqa: E402
+
+SHAPE = ModelConfig(d_model=256, d_ff=1024, n_heads=4, n_encoder_layers=3, n_decoder_layers=3,
+                    vocab_size=8000, dropout=0.0)
+CORPUS = [ROOT / "data" / "multi30k", ROOT.parent / "shared" / "corpora" / "multi30k"]
+CACHE = ROOT / "data" / "bench-decode"  # the benchmark's SentencePiece model (data/ is not committed)
+BEAM = 5
+MAX_TOKENS = 4096
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def corpus_dir() -> Path:
+    for path in CORPUS:
+        if (path / "test2016.de").is_file():
+            return path
+    sys.exit("no Multi30k copy in data/multi30k or ../shared/corpora/multi30k")
+
+
+def load_tokenizer(corpus: Path) -> Tokenizer:
+    """A joint 8k SentencePiece model of Multi30k train, trained once and cached."""
+    if (CACHE / "spm.model").is_file():
+        return Tokenizer.load(CACHE)
+    log("training the benchmark's SentencePiece model (once) ...")
+    read = lambda name: (corpus / name).read_text(encoding="utf-8").splitlines()  # noqa: E731
+    return Tokenizer.train(read("train.de"), read("train.en"), TokenizerConfig(vocab_size=SHAPE.vocab_size), CACHE)
+
+
+def batches_of(ids: list[list[int]]) -> list[tuple[torch.Tensor, int]]:
+    """(padded src ending in EOS, target length L) per length-sorted batch."""
+    out = []
+    for batch in make_batches([len(seq) for seq in ids], MAX_TOKENS):
+        rows = [ids[i] for i in batch]
+        src = torch.full((len(rows), max(map(len, rows)) + 1), PAD_ID, dtype=torch.long)
+        for r, seq in enumerate(rows):
+            src[r, : len(seq)] = torch.tensor(seq)
+            src[r, len(seq)] = EOS_ID
+        out.append((src, max(map(len, rows))))
+    return out
+
+
+class FixedLength(torch.nn.Module):
+    """Benchmark-only wrapper: EOS is impossible before step `steps` - 1, so that with
+    max_len = steps - 1 search runs exactly `steps` decoder steps (the last one emits EOS).
+    It sits outside mtrain.search, so the normal decoding path pays nothing for it."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.model, self.cfg, self.steps = model, model.cfg, 0
+
+    def new_cache(self):
+        return self.model.new_cache()
+
+    def encode(self, src):
+        return self.model.encode(src)
+
+    def decode(self, tgt, memory, src, cache):
+        position = cache.length
+        logits = self.model.decode(tgt, memory, src, cache)
+        if position < self.steps - 1:
+            logits[..., EOS_ID] = float("-inf")
+        return logits
+
+
+def run_mtrain(model: FixedLength, batches, beam: int) -> tuple[float, int]:
+    start, tokens = time.perf_counter(), 0
+    for src, steps in batches:
+        model.steps = steps
+        max_len = torch.full((src.size(0),), steps - 1)
+        if beam == 1:
+            out = greedy_search(model, src, max_len)
+            assert all(len(ids) == steps - 1 for ids in out)
+        else:
+            out = beam_search(model, src, beam, 0.6, max_len)
+            assert all(len(hyps[0][0]) == steps - 1 for hyps in out)
+        tokens += steps * src.size(0)
+    return time.perf_counter() - start, tokens
+
+
+def marian_config(vocab: int):
+    from transformers import MarianConfig
+
+    # Marian is post-norm with scaled embeddings and sinusoids, like mtrain. Its pad token is the
+    # last vocabulary entry (as in OPUS-MT, which the CTranslate2 converter expects).
+    return MarianConfig(
+        vocab_size=vocab + 1, d_model=SHAPE.d_model, encoder_layers=SHAPE.n_encoder_layers,
+        decoder_layers=SHAPE.n_decoder_layers, encoder_attention_heads=SHAPE.n_heads,
+        decoder_attention_heads=SHAPE.n_heads, encoder_ffn_dim=SHAPE.d_ff, decoder_ffn_dim=SHAPE.d_ff,
+        activation_function="relu", dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        max_position_embeddings=512, scale_embedding=True, share_encoder_decoder_embeddings=True,
+        tie_word_embeddings=True, pad_token_id=vocab, eos_token_id=EOS_ID, decoder_start_token_id=vocab,
+        forced_eos_token_id=None,
+    )
+
+
+def run_hf(model, batches, beam: int, vocab: int) -> tuple[float, int]:
+    start, tokens = time.perf_counter(), 0
+    for src, steps in batches:
+        src = src.masked_fill(src == PAD_ID, vocab)  # Marian's pad id
+        with torch.inference_mode():
+            out = model.generate(input_ids=src, attention_mask=src != vocab, num_beams=beam, do_sample=False,
+                                 min_new_tokens=steps, max_new_tokens=steps, length_penalty=0.6,
+                                 early_stopping=False)
+        assert out.size(1) == steps + 1  # decoder start token + steps tokens
+        tokens += steps * src.size(0)
+    return time.perf_counter() - start, tokens
+
+
+def save_marian_for_ct2(model, tokenizer: Tokenizer, folder: Path) -> Path:
+    """HF model + MarianTokenizer folder (what TransformersConverter reads), then convert."""
+    import ctranslate2
+    from transformers import MarianTokenizer
+
+    names = _pieces(folder, tokenizer)
+    names[PAD_ID] = "<pad0>"  # Marian's pad is an extra last entry; mtrain's id 0 keeps another name
+    vocab = {piece: i for i, piece in enumerate(names)}
+    vocab["<pad>"] = len(names)
+    hf_dir = folder / "hf"
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    (hf_dir / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    tokenizer.save(folder / "spm")
+    spm_path = str(folder / "spm" / "spm.model")
+    MarianTokenizer(spm_path, spm_path, str(hf_dir / "vocab.json")).save_pretrained(hf_dir)
+    model.save_pretrained(hf_dir)
+    out = folder / "ct2"
+    ctranslate2.converters.TransformersConverter(str(hf_dir)).convert(str(out), force=True)
+    return out
+
+
+def _pieces(folder: Path, tokenizer: Tokenizer) -> list[str]:
+    import sentencepiece as spm
+
+    tokenizer.save(folder / "spm")
+    proc = spm.SentencePieceProcessor(model_file=str(folder / "spm" / "spm.model"))
+    return [proc.id_to_piece(i) for i in range(proc.get_piece_size())]
+
+
+def run_ct2(translator, batches, pieces: list[str], beam: int) -> tuple[float, int]:
+    start, tokens = time.perf_counter(), 0
+    for src, steps in batches:
+        tokens_in = [[pieces[i] for i in row if i != PAD_ID] for row in src.tolist()]  # ends with </s>
+        out = translator.translate_batch(tokens_in, beam_size=beam, min_decoding_length=steps,
+                                         max_decoding_length=steps, length_penalty=0.6, max_batch_size=0)
+        assert all(len(r.hypotheses[0]) == steps for r in out), "ct2 did not decode exactly L steps"
+        tokens += steps * src.size(0)
+    return time.perf_counter() - start, tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="300 sentences instead of 1000")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument("--sentences", type=int, default=0, help="override the number of sentences")
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads for every system (0 = torch's default)")
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    n = args.sentences or (300 if args.quick else 1000)
+
+    corpus = corpus_dir()
+    tokenizer = load_tokenizer(corpus)
+    lines = (corpus / "test2016.de").read_text(encoding="utf-8").splitlines()[:n]
+    ids = tokenizer.encode_src(lines)
+    batches = batches_of(ids)
+    warmup = batches_of(ids[:8])
+    torch.manual_seed(0)
+    model = FixedLength(Transformer(SHAPE).eval())
+    results: dict[str, float] = {}
+
+    def record(name: str, seconds: float, tokens: int) -> None:
+        results[f"{name}_sent_s"] = round(n / seconds, 2)
+        results[f"{name}_tok_s"] = round(tokens / seconds, 1)
+        log(f"{name:<20} {n / seconds:9.1f} sent/s {tokens / seconds:10.0f} tok/s  ({seconds:.1f} s)")
+
+    log(f"{n} sentences, {len(batches)} batches, {threads} threads, torch {torch.__version__}")
+    for name, beam in (("mtrain_greedy", 1), ("mtrain_beam5", BEAM)):
+        run_mtrain(model, warmup, beam)
+        record(name, *run_mtrain(model, batches, beam))
+
+    if not args.skip_hf and importlib.util.find_spec("transformers"):
+        from transformers import MarianMTModel
+
+        torch.manual_seed(0)
+        hf = MarianMTModel(marian_config(SHAPE.vocab_size)).eval()
+        run_hf(hf, warmup, BEAM, SHAPE.vocab_size)
+        record("hf_beam5", *run_hf(hf, batches, BEAM, SHAPE.vocab_size))
+        if importlib.util.find_spec("ctranslate2"):
+            import ctranslate2
+
+            with tempfile.TemporaryDirectory() as tmp:
+                ct2_dir = save_marian_for_ct2(hf, tokenizer, Path(tmp))
+                translator = ctranslate2.Translator(str(ct2_dir), device="cpu", intra_threads=threads, inter_threads=1)
+                pieces = _pieces(Path(tmp), tokenizer)
+                run_ct2(translator, warmup, pieces, BEAM)
+                record("ct2_beam5", *run_ct2(translator, batches, pieces, BEAM))
+
+    for peer in ("hf", "ct2"):
+        if f"{peer}_beam5_sent_s" in results:
+            ratio = results["mtrain_beam5_sent_s"] / results[f"{peer}_beam5_sent_s"]
+            results[f"mtrain_beam5_vs_{peer}"] = round(ratio, 3)
+            log(f"mtrain beam 5 / {peer} beam 5: {ratio:.2f}x")
+    results.update(sentences=n, threads=threads, torch=torch.__version__, machine=platform.machine(),
+                   shape="d256 3+3 ff1024 h4 v8000", max_tokens=MAX_TOKENS)
+    if args.json:
+        print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
