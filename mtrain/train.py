@@ -514,6 +514,9 @@ class Run:
         resumed = tr.resume()
         if tr.dist.is_main:
             tr.run_dir.mkdir(parents=True, exist_ok=True)
+            # A write killed by kill -9 or a crash leaves its temp file (a checkpoint's size each time).
+            for stale in tr.run_dir.glob(".*.pt.*.tmp"):
+                stale.unlink(missing_ok=True)
             (tr.run_dir / "config.yaml").write_text(to_yaml(tr.cfg), encoding="utf-8")
             self.metrics = MetricsLog(tr.run_dir / "metrics.jsonl", resume_step=tr.state.step if resumed else None)
         if not resumed:
