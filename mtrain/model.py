@@ -160,12 +160,17 @@ class KVCache:
         self.length = 0
         self.src_mask: Tensor | None = None  # (B, 1, 1, S) key mask, fixed on the first call
 
-    def reorder(self, index: Tensor) -> None:
-        """Keep/duplicate/permute batch rows (beam search): row i becomes old row index[i]."""
+    def reorder(self, index: Tensor, cross: bool = True) -> None:
+        """Keep/duplicate/permute batch rows (beam search): row i becomes old row index[i].
+
+        cross=False leaves the cross-attention K/V and the source mask as they are. That is exact
+        when index only moves rows among rows of one source (beams of one sentence), and it saves
+        copying them at every beam-search step (the largest cost of a step on CPU otherwise)."""
         for layer in self.layers:
             for name, t in layer.tensors().items():
-                setattr(layer, name, t.index_select(0, index))
-        if self.src_mask is not None:
+                if cross or name.startswith("self_"):
+                    setattr(layer, name, t.index_select(0, index))
+        if cross and self.src_mask is not None:
             self.src_mask = self.src_mask.index_select(0, index)
 
 

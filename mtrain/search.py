@@ -123,12 +123,15 @@ def beam_search(model, src: Tensor, beam: int, lenpen: float, max_len: Tensor,
         if done.all():
             break
         keep = (~done).nonzero().squeeze(1)
-        if keep.numel() < A:  # drop done sentences: fewer rows for every later step
+        pruned = keep.numel() < A
+        if pruned:  # drop done sentences: fewer rows for every later step
             active, scores, parent, token = active[keep], scores[keep], parent[keep], token[keep]
             rows = (keep.unsqueeze(1) * K + torch.arange(K, device=device)).flatten()
-            memory, src = memory[rows], src[rows]  # a sentence's K rows are identical: no reorder needed
+            memory, src = memory[rows], src[rows]
         rows = parent.flatten()
-        cache.reorder(rows)
+        # A sentence's K rows share their source, so moving beams within a sentence leaves the
+        # cross-attention K/V as they are; only dropping sentences has to touch them.
+        cache.reorder(rows, cross=pruned)
         history = history[rows]
         tokens = token.flatten()
         history[:, t] = tokens

@@ -24,7 +24,7 @@ class ScriptedCache:
         self.prefix: torch.Tensor | None = None
         self.length = 0
 
-    def reorder(self, index: torch.Tensor) -> None:
+    def reorder(self, index: torch.Tensor, cross: bool = True) -> None:
         self.prefix = self.prefix.index_select(0, index)
 
 

@@ -27,7 +27,7 @@ class CopyCache:
     def __init__(self) -> None:
         self.length = 0
 
-    def reorder(self, index: torch.Tensor) -> None:  # every row is at the same position
+    def reorder(self, index: torch.Tensor, cross: bool = True) -> None:  # every row is at the same position
         pass
 
 
