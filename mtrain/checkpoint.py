@@ -15,7 +15,11 @@ file never runs code:
 from __future__ import annotations
 
 import os
+import re
 import tempfile
+import warnings
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -64,12 +68,21 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str
     path = Path(path)
     if not path.is_file():
         raise MtrainError(f"{path}: checkpoint not found; pass a file written by `mtrain train` (e.g. RUN/best.pt)")
+    _check_crc(path)
     try:
-        obj = torch.load(path, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():  # a hostile file's pickle-protocol warning is not the user's business
+            warnings.simplefilter("ignore")
+            obj = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # truncated zip, garbage bytes, or a pickle that asks for code
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        if "weights_only" in str(err) or "Unsupported global" in str(err):
-            reason = "it contains pickled objects other than tensors and plain data, refused for safety"
+        # The first sentence only: torch's zip errors go on for lines.
+        reason = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else ""
+        if not any(c.isalpha() for c in reason):
+            reason = f"{type(err).__name__}: {reason or 'no details'}"
+        code = re.search(r"unsupported GLOBAL (\S+)", str(err), re.IGNORECASE)
+        if code:
+            reason = f"it pickles a reference to code ({code.group(1)}), refused for safety"
+        elif "Weights only load failed" in str(err):
+            reason = "not a torch file of tensors and plain data; damaged, or not a checkpoint"
         raise MtrainError(
             f"{path}: not a readable mtrain checkpoint ({reason[:200]}); use a complete file written by `mtrain train`"
         ) from None
@@ -77,7 +90,33 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str
         raise MtrainError(f"{path}: not an mtrain checkpoint (no 'format: mtrain' entry); use a file written by `mtrain train`")
     if obj.get("version", 0) > VERSION:
         raise MtrainError(f"{path}: checkpoint format v{obj['version']} is newer than this mtrain reads (v{VERSION}); upgrade mtrain")
+    missing = [key for key, kind in REQUIRED.items() if not isinstance(obj.get(key), kind)]
+    if missing:
+        raise MtrainError(f"{path}: incomplete mtrain checkpoint (missing or malformed: {', '.join(missing)}); "
+                          "use a complete file written by `mtrain train`")
     return obj
+
+
+# Entries every checkpoint has, and their types (a crafted or damaged file may lack them).
+REQUIRED = {"config": dict, "model": dict, "tokenizer": dict, "step": int}
+
+
+def _check_crc(path: Path) -> None:
+    """torch.load does not verify the zip's CRC-32s: a flipped bit in the weights would load
+    silently. Check them first (no unpickling happens here). A file that is not a zip at all is
+    left to torch.load, which names the problem."""
+    try:
+        archive = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError):
+        return
+    try:
+        with archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, zlib.error, ValueError) as err:
+        bad = f"? ({type(err).__name__})"
+    if bad is not None:
+        raise MtrainError(f"{path}: corrupted checkpoint (checksum mismatch in record {bad}); "
+                          "use an intact copy, or another checkpoint of the run (last.pt, step-N.pt)")
 
 
 def make(config: dict[str, Any], model_state: dict[str, torch.Tensor], tokenizer: dict[str, Any],
@@ -142,4 +181,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
         first = str(err).strip().splitlines()
         raise MtrainError(f"{path}: weights do not fit its model config ({first[1].strip() if len(first) > 1 else first[0]}); the file is inconsistent") from None
     model.to(device).eval()
-    return model, Tokenizer.from_state(ckpt["tokenizer"]), ckpt
+    try:
+        tokenizer = Tokenizer.from_state(ckpt["tokenizer"])
+    except (MtrainError, RuntimeError, TypeError, KeyError) as err:  # damaged SentencePiece bytes
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise MtrainError(f"{path}: its tokenizer cannot be loaded ({first[:200]}); the file is damaged, "
+                          "use another checkpoint of the run") from None
+    return model, tokenizer, ckpt
