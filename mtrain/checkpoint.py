@@ -78,7 +78,7 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str
         reason = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else ""
         if not any(c.isalpha() for c in reason):
             reason = f"{type(err).__name__}: {reason or 'no details'}"
-        code = re.search(r"unsupported GLOBAL (\S+)", str(err), re.IGNORECASE)
+        code = re.search(r"\bGLOBAL ([\w.]+)", str(err))
         if code:
             reason = f"it pickles a reference to code ({code.group(1)}), refused for safety"
         elif "Weights only load failed" in str(err):
