@@ -227,7 +227,15 @@ def resume_in_process(args: list[str]) -> str:
     return result.output
 
 
-def test_kill9_mid_write_and_mid_validation_then_resume_is_bit_identical(tokenized_slice, tmp_path):
+@pytest.fixture(scope="module")
+def reference(tokenized_slice, tmp_path_factory) -> Path:
+    """An uninterrupted 6-step run: what every faulty run must end identical to."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    reference_run(tokenized_slice, run_dir, 6)
+    return run_dir
+
+
+def test_kill9_mid_write_and_mid_validation_then_resume_is_bit_identical(tokenized_slice, tmp_path, request):
     """Two kill points drawn with a fixed seed, in two runs killed side by side: one halfway
     through a checkpoint write, one in a validation. Re-running the same command ends with every
     bit equal to an uninterrupted run, and no temp file of the killed write is left."""
@@ -236,7 +244,7 @@ def test_kill9_mid_write_and_mid_validation_then_resume_is_bit_identical(tokeniz
     validation = KillPoint("validate", rng.choice([3, 6]))
     runs = {tmp_path / point.phase: point for point in (write, validation)}
     procs = {run_dir: start(train_args(tokenized_slice, run_dir, 6), point) for run_dir, point in runs.items()}
-    reference_run(tokenized_slice, tmp_path / "reference", 6)  # while the children run
+    reference = request.getfixturevalue("reference")  # computed while the children run
     for run_dir, proc in procs.items():
         code, err = finish(proc)
         assert code == -signal.SIGKILL, f"{runs[run_dir]} was not reached (exit {code}):\n{err}"
@@ -244,7 +252,7 @@ def test_kill9_mid_write_and_mid_validation_then_resume_is_bit_identical(tokeniz
             assert list(run_dir.glob(".*.pt.*.tmp")), "the kill did not leave a half-written checkpoint"
         output = resume_in_process(train_args(tokenized_slice, run_dir, 6))
         assert "resuming from" in output or runs[run_dir].step < 2
-        assert_identical_runs(tmp_path / "reference", run_dir)
+        assert_identical_runs(reference, run_dir)
         assert not list(run_dir.glob(".*.tmp")), "a killed write's temp file was left behind"
 
 
@@ -264,6 +272,240 @@ def test_kill9_at_many_random_moments_then_resume_is_bit_identical(tokenized_sli
     assert len(history) >= len(points) + 1, history
     assert_identical_runs(tmp_path / "reference", tmp_path / "killed")
     assert not list((tmp_path / "killed").glob(".*.tmp")), history
+
+
+# ---------------------------------------------------------------- failing checkpoint writes
+
+def cli(*args: str, env: dict[str, str] | None = None):
+    from typer.testing import CliRunner
+
+    from mtrain.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args], env=env)
+
+
+def assert_one_line_error(result, *needles: str) -> str:
+    """Exit 1, no exception escaped, and stderr is one `error: ...` line holding every needle."""
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "Traceback" not in result.output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("name, step", [("last.pt", 4), ("step-4.pt", 4), ("best.pt", 3)])
+def test_disk_full_keeps_previous_checkpoints_and_the_rerun_ends_identical(tokenized_slice, reference, tmp_path,
+                                                                           monkeypatch, name, step):
+    """ENOSPC halfway through one checkpoint write: the run stops with one line naming the file,
+    the previous last.pt (and best.pt) still load, no temp file stays, and once there is space
+    again the same command resumes and ends identical to an uninterrupted run."""
+    from mtrain import checkpoint
+
+    save_atomic, real_save = checkpoint.save_atomic, torch.save
+    armed: list[bool] = []
+
+    def full_disk_save(obj, handle, *args, **kwargs):
+        if not armed:
+            return real_save(obj, handle, *args, **kwargs)
+        handle.write(b"PK\x03\x04 the first bytes of a zip")
+        raise OSError(28, "No space left on device")
+
+    def watching_save_atomic(obj, path):
+        if Path(path).name == name and obj["step"] == step:
+            armed.append(True)
+        try:
+            return save_atomic(obj, path)
+        finally:
+            armed.clear()
+
+    before = {}
+    monkeypatch.setattr(checkpoint.torch, "save", full_disk_save)
+    monkeypatch.setattr(checkpoint, "save_atomic", watching_save_atomic)
+    args = train_args(tokenized_slice, tmp_path, 6)
+    assert_one_line_error(cli(*args), f"{tmp_path / name}: checkpoint write failed", "No space left on device",
+                          "re-run the same command")
+    monkeypatch.undo()
+    assert checkpoint.load(tmp_path / "last.pt")["step"] == 2
+    if step > 3:
+        assert checkpoint.load(tmp_path / "best.pt")["step"] == 3
+    for path in tmp_path.glob("*.pt"):
+        before[path.name] = checkpoint.load(path)["step"]  # every file left is complete
+    assert not list(tmp_path.glob(".*.tmp"))
+    result = cli(*args)
+    assert result.exit_code == 0 and "resuming from" in result.output, result.output
+    assert_identical_runs(reference, tmp_path)
+
+
+# ---------------------------------------------------------------- damaged and hostile checkpoints
+
+class WritesMarker:
+    """Unpickling this calls open(marker, "w"): the file appears if any loader runs pickled code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import builtins
+
+        return builtins.open, (self.marker, "w")
+
+
+def hostile_files(folder: Path, marker: Path, good: dict) -> dict[str, Path]:
+    """The same code-running object packed three ways: torch zip, torch legacy, bare pickle."""
+    import io
+    import pickle
+
+    crafted = {**good, "model": {**good["model"], "payload": WritesMarker(marker)}}
+    files = {}
+    for kind in ("zip", "legacy", "pickle"):
+        path = folder / f"hostile-{kind}.pt"
+        if kind == "pickle":
+            path.write_bytes(pickle.dumps(crafted))
+        else:
+            buffer = io.BytesIO()
+            torch.save(crafted, buffer, _use_new_zipfile_serialization=kind == "zip")
+            path.write_bytes(buffer.getvalue())
+        files[kind] = path
+    return files
+
+
+def readers(ckpt: Path, data_dir: Path, folder: Path) -> dict[str, tuple[list[str], Path]]:
+    """Every command that reads a checkpoint, reading `ckpt` (train: a copy as RUN/last.pt, to
+    resume): {command: (arguments, the file its error must name)}."""
+    src = folder / "src.de"
+    src.write_text("Ein Mann schläft.\nZwei Hunde.\n", encoding="utf-8")
+    ref = folder / "ref.en"
+    ref.write_text("A man sleeps.\nTwo dogs.\n", encoding="utf-8")
+    run_dir = folder / f"run-{ckpt.stem}"
+    run_dir.mkdir(exist_ok=True)
+    (run_dir / "last.pt").write_bytes(ckpt.read_bytes())
+    return {
+        "translate": (["translate", "--checkpoint", str(ckpt), "--input", str(src), "--output", str(folder / "out.en"),
+                       "--device", "cpu"], ckpt),
+        "eval": (["eval", "--checkpoint", str(ckpt), "--src", str(src), "--ref", str(ref), "--device", "cpu",
+                  "--output-hyp", str(folder / "hyp.en")], ckpt),
+        "average": (["average", str(ckpt), str(ckpt), "--out", str(folder / "avg.pt")], ckpt),
+        "train": (train_args(data_dir, run_dir, 6), run_dir / "last.pt"),
+    }
+
+
+def test_every_checkpoint_read_is_weights_only():
+    """Static check: each torch.load in mtrain passes weights_only=True; nothing unpickles otherwise."""
+    import ast
+
+    calls = []
+    for path in sorted((ROOT / "mtrain").glob("**/*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            name = ast.unparse(node.func)
+            keywords = {k.arg: ast.unparse(k.value) for k in node.keywords}
+            where = f"{path.name}:{node.lineno}"
+            if name.endswith(("torch.load", "serialization.load")):
+                calls.append(where)
+                assert keywords.get("weights_only") == "True", f"{where}: torch.load without weights_only=True"
+            assert not name.endswith(("pickle.load", "pickle.loads", "Unpickler", "dill.load")), where
+            if name.endswith(("np.load", "numpy.load")):
+                assert keywords.get("allow_pickle", "False") == "False", f"{where}: np.load(allow_pickle=True)"
+    assert calls, "no torch.load found: the check is looking in the wrong place"
+
+
+def test_hostile_pickle_is_refused_by_every_reader_and_runs_nothing(tokenized_slice, reference, tmp_path):
+    from mtrain import checkpoint
+
+    marker = tmp_path / "MARKER"
+    good = checkpoint.load(reference / "last.pt")
+    for kind, path in hostile_files(tmp_path, marker, good).items():
+        for command, (args, named) in readers(path, tokenized_slice, tmp_path).items():
+            line = assert_one_line_error(cli(*args), str(named))
+            if kind != "pickle":  # a bare pickle is not a torch file at all; either way it is refused
+                assert "refused for safety" in line and "io.open" in line, line
+            assert not marker.exists(), f"{command} ran the pickled code of {path}"
+    for name in ("out.en", "hyp.en", "avg.pt"):
+        assert not (tmp_path / name).exists(), f"{name} was written from a refused checkpoint"
+
+
+def damaged(good_bytes: bytes, kind: str) -> bytes:
+    """Damage a checkpoint file the way disks and copies do."""
+    import io
+    import zipfile
+
+    if kind == "truncated":
+        return good_bytes[: len(good_bytes) // 2]
+    if kind == "cut to 10 bytes":
+        return good_bytes[:10]
+    if kind == "empty":
+        return b""
+    if kind == "random bytes":
+        return random.Random(0).randbytes(4096)
+    if kind == "text":
+        return b"this is not a checkpoint\n"
+    # "bits flipped in the weights": 8 bytes inside the largest tensor record, the zip intact.
+    archive = zipfile.ZipFile(io.BytesIO(good_bytes))
+    record = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    extra = int.from_bytes(good_bytes[record.header_offset + 28: record.header_offset + 30], "little")
+    start = record.header_offset + 30 + len(record.filename.encode()) + extra + record.file_size // 2
+    flipped = bytearray(good_bytes)
+    flipped[start: start + 8] = bytes(b ^ 0xFF for b in flipped[start: start + 8])
+    return bytes(flipped)
+
+
+DAMAGE = ["truncated", "cut to 10 bytes", "empty", "random bytes", "text", "bits flipped in the weights"]
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_damaged_checkpoint_is_a_one_line_error_naming_the_file(tokenized_slice, reference, tmp_path, kind):
+    path = tmp_path / "best.pt"
+    path.write_bytes(damaged((reference / "last.pt").read_bytes(), kind))
+    for command, (args, named) in readers(path, tokenized_slice, tmp_path).items():
+        line = assert_one_line_error(cli(*args), str(named))
+        assert "checkpoint" in line, line
+    for name in ("out.en", "hyp.en", "avg.pt"):
+        assert not (tmp_path / name).exists(), f"{name} was written from a damaged checkpoint"
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda c: c.pop("model"), "missing or malformed: model"),
+    (lambda c: c.update(step="12"), "missing or malformed: step"),
+    (lambda c: c["tokenizer"].update(src_model=b"not a SentencePiece model"), "tokenizer cannot be loaded"),
+    (lambda c: c["model"].pop(next(iter(c["model"]))), "weights do not fit"),
+    (lambda c: c.update(format="other"), "not an mtrain checkpoint"),
+    (lambda c: c.update(version=99), "newer than this mtrain reads"),
+])
+def test_inconsistent_checkpoint_is_a_one_line_error(reference, tmp_path, change, needle):
+    """Well-formed torch files whose content is wrong (crafted, or written by something else)."""
+    from mtrain import checkpoint
+
+    ckpt = checkpoint.load(reference / "best.pt")
+    change(ckpt)
+    path = tmp_path / "odd.pt"
+    torch.save(ckpt, path)
+    src = tmp_path / "in.de"
+    src.write_text("Ein Hund.\n", encoding="utf-8")
+    assert_one_line_error(cli("translate", "--checkpoint", path, "--input", src, "--device", "cpu"), str(path), needle)
+
+
+# ---------------------------------------------------------------- non-finite losses
+
+def test_nan_losses_are_skipped_and_counted_and_a_run_of_them_stops(tokenized_slice, tmp_path):
+    args = train_args(tokenized_slice, tmp_path / "one", 4)
+    result = cli(*args, env={"MTRAIN_INJECT_NAN": "3"})
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert (summary["step"], summary["nonfinite"]) == (4, 1)
+    assert "step 3: non-finite loss, update skipped" in result.stderr
+
+    args = train_args(tokenized_slice, tmp_path / "many", 6) + ["--set", "train.max_nonfinite=3"]
+    result = cli(*args, env={"MTRAIN_INJECT_NAN": "3-100"})
+    assert_one_line_error(result, "step 3: 3 non-finite losses in a row", "last.pt")
+    from mtrain import checkpoint
+
+    last = checkpoint.load(tmp_path / "many" / "last.pt")
+    assert last["step"] == 2 and all(torch.isfinite(w).all() for w in last["model"].values())
 
 
 if __name__ == "__main__":  # `python tests/test_faults.py PHASE,STEP,FRACTION train ...`
