@@ -25,25 +25,31 @@ def length_penalty(length: Tensor | int, alpha: float) -> Tensor:
 def topk_step(scores: Tensor, logprobs: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
     """Best k extensions of each sentence's beams.
 
-    scores (B, K) cumulative log-probs, logprobs (B, K, V) of the next token ->
-    (values (B, k) sorted descending, parent beam (B, k), token (B, k))."""
-    B, K, V = logprobs.shape
-    values, flat = (scores.unsqueeze(-1) + logprobs).view(B, K * V).topk(k, dim=1)
-    return values, flat // V, flat % V
+    scores (B, K) cumulative log-probs, logprobs (B, K, V) of the next token -> (values (B, k)
+    sorted descending, parent beam (B, k), token (B, k)). Only a beam's own k best tokens can be
+    among the sentence's k best, so scores are added to K*k candidates, not to K*V."""
+    B, K, _ = logprobs.shape
+    top, top_tokens = logprobs.topk(k, dim=-1)  # (B, K, k)
+    values, flat = (scores.unsqueeze(-1) + top).view(B, K * k).topk(k, dim=1)
+    return values, flat // k, top_tokens.view(B, K * k).gather(1, flat)
 
 
 def step_logprobs(model, tokens: Tensor, memory: Tensor, src: Tensor, cache, at_max: Tensor) -> Tensor:
-    """Feed one token per row; float32 log-probs (N, V) of the next token. PAD and BOS are never
-    generated; rows at their maximum length (`at_max`, (N,) bool) may only end (EOS)."""
+    """Feed one new token per row; float32 log-probs (N, V) of the next one."""
     logits = model.decode(tokens.unsqueeze(1), memory, src, cache)[:, -1]
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    logprobs[:, PAD_ID] = NEG_INF
-    logprobs[:, BOS_ID] = NEG_INF
+    return mask_scores(torch.log_softmax(logits.float(), dim=-1), at_max)
+
+
+def mask_scores(scores: Tensor, at_max: Tensor) -> Tensor:
+    """In place on (N, V) logits or log-probs: PAD and BOS are never generated; rows at their
+    maximum length (`at_max`, (N,) bool) may only end, and EOS keeps its own score there."""
+    scores[:, PAD_ID] = NEG_INF
+    scores[:, BOS_ID] = NEG_INF
     if at_max.any():
-        eos = logprobs[:, EOS_ID].clone()
-        logprobs.masked_fill_(at_max.unsqueeze(1), NEG_INF)
-        logprobs[:, EOS_ID] = eos
-    return logprobs
+        eos = scores[:, EOS_ID].clone()
+        scores.masked_fill_(at_max.unsqueeze(1), NEG_INF)
+        scores[:, EOS_ID] = eos
+    return scores
 
 
 def _start(model, src: Tensor, rows_per_sentence: int):
@@ -71,7 +77,8 @@ def greedy_search(model, src: Tensor, max_len: Tensor) -> list[list[int]]:
     tokens = src.new_full((B,), BOS_ID)
     for t in range(out.size(1)):
         at_max = max_len[active] <= t
-        tokens = step_logprobs(model, tokens, memory, src, cache, at_max).argmax(dim=-1)
+        logits = model.decode(tokens.unsqueeze(1), memory, src, cache)[:, -1]
+        tokens = mask_scores(logits.float(), at_max).argmax(dim=-1)  # log_softmax keeps the argmax
         out[active, t] = tokens
         going = tokens != EOS_ID
         if not going.any():

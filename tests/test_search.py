@@ -94,9 +94,9 @@ def test_topk_step_matches_brute_force():
 
 def test_step_logprobs_never_pad_or_bos_and_forces_eos_at_max():
     model = ScriptedModel(TABLE)
-    cache = model.new_cache()
     src = src_of(A, A)
-    logprobs = step_logprobs(model, torch.full((2,), BOS_ID), model.encode(src), src, cache, torch.tensor([False, True]))
+    at_max = torch.tensor([False, True])
+    logprobs = step_logprobs(model, torch.full((2,), BOS_ID), model.encode(src), src, model.new_cache(), at_max)
     assert logprobs[:, PAD_ID].eq(float("-inf")).all() and logprobs[:, BOS_ID].eq(float("-inf")).all()
     assert logprobs[0, A].item() == pytest.approx(math.log(0.5))
     assert logprobs[1, EOS_ID].item() == pytest.approx(math.log(0.2))  # EOS keeps its own log-prob
