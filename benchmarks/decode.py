@@ -99,19 +99,15 @@ class FixedLength(torch.nn.Module):
         return logits
 
 
-def run_mtrain(model: FixedLength, batches, beam: int) -> tuple[float, int]:
-    start, tokens = time.perf_counter(), 0
-    for src, steps in batches:
-        model.steps = steps
-        max_len = torch.full((src.size(0),), steps - 1)
-        if beam == 1:
-            out = greedy_search(model, src, max_len)
-            assert all(len(ids) == steps - 1 for ids in out)
-        else:
-            out = beam_search(model, src, beam, 0.6, max_len)
-            assert all(len(hyps[0][0]) == steps - 1 for hyps in out)
-        tokens += steps * src.size(0)
-    return time.perf_counter() - start, tokens
+def run_mtrain(model: FixedLength, src: torch.Tensor, steps: int, beam: int) -> None:
+    model.steps = steps
+    max_len = torch.full((src.size(0),), steps - 1)
+    if beam == 1:
+        out = greedy_search(model, src, max_len)
+        assert all(len(ids) == steps - 1 for ids in out)
+    else:
+        out = beam_search(model, src, beam, 0.6, max_len)
+        assert all(len(hyps[0][0]) == steps - 1 for hyps in out)
 
 
 def marian_config(vocab: int):
@@ -130,17 +126,12 @@ def marian_config(vocab: int):
     )
 
 
-def run_hf(model, batches, beam: int, vocab: int) -> tuple[float, int]:
-    start, tokens = time.perf_counter(), 0
-    for src, steps in batches:
-        src = src.masked_fill(src == PAD_ID, vocab)  # Marian's pad id
-        with torch.inference_mode():
-            out = model.generate(input_ids=src, attention_mask=src != vocab, num_beams=beam, do_sample=False,
-                                 min_new_tokens=steps, max_new_tokens=steps, length_penalty=0.6,
-                                 early_stopping=False)
-        assert out.size(1) == steps + 1  # decoder start token + steps tokens
-        tokens += steps * src.size(0)
-    return time.perf_counter() - start, tokens
+def run_hf(model, src: torch.Tensor, steps: int, beam: int, vocab: int) -> None:
+    src = src.masked_fill(src == PAD_ID, vocab)  # Marian's pad id
+    with torch.inference_mode():
+        out = model.generate(input_ids=src, attention_mask=src != vocab, num_beams=beam, do_sample=False,
+                             min_new_tokens=steps, max_new_tokens=steps, length_penalty=0.6, early_stopping=False)
+    assert out.size(1) == steps + 1  # decoder start token + steps tokens
 
 
 def save_marian_for_ct2(model, tokenizer: Tokenizer, folder: Path) -> Path:
@@ -172,15 +163,23 @@ def _pieces(folder: Path, tokenizer: Tokenizer) -> list[str]:
     return [proc.id_to_piece(i) for i in range(proc.get_piece_size())]
 
 
-def run_ct2(translator, batches, pieces: list[str], beam: int) -> tuple[float, int]:
-    start, tokens = time.perf_counter(), 0
+def run_ct2(translator, src: torch.Tensor, steps: int, pieces: list[str], beam: int) -> None:
+    tokens_in = [[pieces[i] for i in row if i != PAD_ID] for row in src.tolist()]  # ends with </s>
+    out = translator.translate_batch(tokens_in, beam_size=beam, min_decoding_length=steps,
+                                     max_decoding_length=steps, length_penalty=0.6, max_batch_size=0)
+    assert all(len(r.hypotheses[0]) == steps for r in out), "ct2 did not decode exactly L steps"
+
+
+def timed(systems: dict, batches) -> dict[str, float]:
+    """Seconds per system. Systems take turns batch by batch, so load from other processes on a
+    shared machine falls on all of them alike rather than on whichever ran during a busy minute."""
+    seconds = dict.fromkeys(systems, 0.0)
     for src, steps in batches:
-        tokens_in = [[pieces[i] for i in row if i != PAD_ID] for row in src.tolist()]  # ends with </s>
-        out = translator.translate_batch(tokens_in, beam_size=beam, min_decoding_length=steps,
-                                         max_decoding_length=steps, length_penalty=0.6, max_batch_size=0)
-        assert all(len(r.hypotheses[0]) == steps for r in out), "ct2 did not decode exactly L steps"
-        tokens += steps * src.size(0)
-    return time.perf_counter() - start, tokens
+        for name, run in systems.items():
+            start = time.perf_counter()
+            run(src, steps)
+            seconds[name] += time.perf_counter() - start
+    return seconds
 
 
 def main() -> None:
@@ -205,39 +204,39 @@ def main() -> None:
     torch.manual_seed(0)
     model = FixedLength(Transformer(SHAPE).eval())
     results: dict[str, float] = {}
+    table = sys.stderr if args.json else sys.stdout  # the readable table; JSON alone on stdout
+    emit = lambda line: print(line, file=table, flush=True)  # noqa: E731
+    emit(f"{n} sentences, {len(batches)} batches, {threads} threads, torch {torch.__version__}")
+    systems = {
+        "mtrain_greedy": lambda src, steps: run_mtrain(model, src, steps, 1),
+        "mtrain_beam5": lambda src, steps: run_mtrain(model, src, steps, BEAM),
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        if not args.skip_hf and importlib.util.find_spec("transformers"):
+            from transformers import MarianMTModel
 
-    def record(name: str, seconds: float, tokens: int) -> None:
-        results[f"{name}_sent_s"] = round(n / seconds, 2)
-        results[f"{name}_tok_s"] = round(tokens / seconds, 1)
-        log(f"{name:<20} {n / seconds:9.1f} sent/s {tokens / seconds:10.0f} tok/s  ({seconds:.1f} s)")
+            torch.manual_seed(0)
+            hf = MarianMTModel(marian_config(SHAPE.vocab_size)).eval()
+            systems["hf_beam5"] = lambda src, steps: run_hf(hf, src, steps, BEAM, SHAPE.vocab_size)
+            if importlib.util.find_spec("ctranslate2"):
+                import ctranslate2
 
-    log(f"{n} sentences, {len(batches)} batches, {threads} threads, torch {torch.__version__}")
-    for name, beam in (("mtrain_greedy", 1), ("mtrain_beam5", BEAM)):
-        run_mtrain(model, warmup, beam)
-        record(name, *run_mtrain(model, batches, beam))
-
-    if not args.skip_hf and importlib.util.find_spec("transformers"):
-        from transformers import MarianMTModel
-
-        torch.manual_seed(0)
-        hf = MarianMTModel(marian_config(SHAPE.vocab_size)).eval()
-        run_hf(hf, warmup, BEAM, SHAPE.vocab_size)
-        record("hf_beam5", *run_hf(hf, batches, BEAM, SHAPE.vocab_size))
-        if importlib.util.find_spec("ctranslate2"):
-            import ctranslate2
-
-            with tempfile.TemporaryDirectory() as tmp:
                 ct2_dir = save_marian_for_ct2(hf, tokenizer, Path(tmp))
                 translator = ctranslate2.Translator(str(ct2_dir), device="cpu", intra_threads=threads, inter_threads=1)
                 pieces = _pieces(Path(tmp), tokenizer)
-                run_ct2(translator, warmup, pieces, BEAM)
-                record("ct2_beam5", *run_ct2(translator, batches, pieces, BEAM))
-
+                systems["ct2_beam5"] = lambda src, steps: run_ct2(translator, src, steps, pieces, BEAM)
+        timed(systems, warmup)
+        seconds = timed(systems, batches)
+    tokens = sum(steps * src.size(0) for src, steps in batches)
+    for name, secs in seconds.items():
+        results[f"{name}_sent_s"] = round(n / secs, 2)
+        results[f"{name}_tok_s"] = round(tokens / secs, 1)
+        emit(f"{name:<20} {n / secs:9.1f} sent/s {tokens / secs:10.0f} tok/s  ({secs:.1f} s)")
     for peer in ("hf", "ct2"):
         if f"{peer}_beam5_sent_s" in results:
             ratio = results["mtrain_beam5_sent_s"] / results[f"{peer}_beam5_sent_s"]
             results[f"mtrain_beam5_vs_{peer}"] = round(ratio, 3)
-            log(f"mtrain beam 5 / {peer} beam 5: {ratio:.2f}x")
+            emit(f"mtrain beam 5 / {peer} beam 5: {ratio:.2f}x")
     results.update(sentences=n, threads=threads, torch=torch.__version__, machine=platform.machine(),
                    shape="d256 3+3 ff1024 h4 v8000", max_tokens=MAX_TOKENS)
     if args.json:
