@@ -210,7 +210,37 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         _merge(merged, data, str(path))
     for text in overrides:
         _merge(merged, parse_override(text), f"--set {text}")
-    return Config(**{name: SECTIONS[name](**merged[name]) for name in SECTIONS})
+    config = Config(**{name: SECTIONS[name](**merged[name]) for name in SECTIONS})
+    check_ranges(config)
+    return config
+
+
+# Smallest allowed value (and the bound it must stay below) of numeric keys that cannot work
+# outside it: a negative length, a zero interval (step % 0) or a zero warmup (division by zero)
+# would otherwise fail deep inside a run, or silently do nothing. decode.* is checked, with the
+# option names, by mtrain.translate.check_decode.
+RANGES: dict[str, tuple[float, float | None]] = {
+    **{f"model.{k}": (1, None) for k in ("d_model", "d_ff", "n_heads", "n_encoder_layers", "n_decoder_layers", "vocab_size")},
+    "model.max_len": (2, None), "model.src_vocab_size": (0, None),
+    "model.dropout": (0, 1), "model.attention_dropout": (0, 1),
+    "tokenizer.vocab_size": (1, None), "tokenizer.input_sentence_size": (0, None),
+    "data.max_len": (1, None), "data.max_ratio": (1, None),
+    **{f"train.{k}": (1, None) for k in ("max_tokens", "update_freq", "warmup_steps", "log_every", "save_every",
+                                         "eval_every", "eval_beam", "max_nonfinite")},
+    **{f"train.{k}": (0, None) for k in ("max_steps", "lr_scale", "weight_decay", "clip_norm", "eval_max_sentences",
+                                         "keep_last", "average_last", "patience", "num_threads", "adam_eps")},
+    "train.label_smoothing": (0, 1), "train.adam_beta1": (0, 1), "train.adam_beta2": (0, 1),
+}
+
+
+def check_ranges(config: Config) -> None:
+    """One-line error for the first key in RANGES whose value cannot work."""
+    for dotted, (low, high) in RANGES.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(config, section), key)
+        if value < low or (high is not None and value >= high):
+            bound = f"at least {low}" if high is None else f"in [{low}, {high})"
+            raise MtrainError(f"{dotted}={value!r}: must be {bound}; change it in the config file or with --set {dotted}=...")
 
 
 def replace(config: Config, **sections: dict[str, Any]) -> Config:
