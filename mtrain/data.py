@@ -435,10 +435,19 @@ def load_meta(data_dir: str | Path) -> dict[str, Any]:
             f"{path}: not found; {data_dir} is not a finished `mtrain tokenize` output — run "
             f"`mtrain tokenize --out {data_dir}` (again, if it was interrupted)"
         )
-    meta = json.loads(path.read_text(encoding="utf-8"))
-    if meta.get("format") != FORMAT_VERSION:
-        raise MtrainError(f"{path}: cache format {meta.get('format')} is not {FORMAT_VERSION}; re-run mtrain tokenize")
+    meta = _read_json(path, data_dir)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise MtrainError(f"{path}: cache format {found} is not {FORMAT_VERSION}; re-run mtrain tokenize")
     return meta
+
+
+def _read_json(path: Path, data_dir: str | Path) -> Any:
+    """A JSON file of the tokenized folder; a damaged one is a one-line error."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise MtrainError(f"{path}: damaged ({err}); re-run `mtrain tokenize --out {data_dir}`") from None
 
 
 def load_split(data_dir: str | Path, split: str, mmap: bool = True) -> Split:
@@ -456,10 +465,19 @@ def load_split(data_dir: str | Path, split: str, mmap: bool = True) -> Split:
         for path in (ids_path, off_path):
             if not path.is_file():
                 raise MtrainError(f"{path}: not found; re-run mtrain tokenize --out {data_dir}")
-        sides.append(Ragged(np.load(ids_path, mmap_mode="r" if mmap else None), np.load(off_path)))
+        sides.append(Ragged(_load_array(ids_path, data_dir, "r" if mmap else None), _load_array(off_path, data_dir)))
     if len(sides[0]) != len(sides[1]):
         raise MtrainError(f"{data_dir}: {split} has {len(sides[0])} src but {len(sides[1])} tgt lines; re-run mtrain tokenize")
     return Split(split, sides[0], sides[1], data_dir)
+
+
+def _load_array(path: Path, data_dir: Path, mmap_mode: Optional[str] = None) -> np.ndarray:
+    """np.load (never unpickling: allow_pickle stays False) with one-line errors for damaged files."""
+    try:
+        return np.load(path, mmap_mode=mmap_mode)
+    except (ValueError, OSError, EOFError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise MtrainError(f"{path}: damaged ({first[:160]}); re-run `mtrain tokenize --out {data_dir}`") from None
 
 
 def load_tokenizer(data_dir: str | Path) -> Tokenizer:
@@ -470,7 +488,7 @@ def load_stats(data_dir: str | Path) -> dict[str, Any]:
     path = Path(data_dir) / "stats.json"
     if not path.is_file():
         raise MtrainError(f"{path}: not found; re-run mtrain tokenize --out {data_dir}")
-    return json.loads(path.read_text(encoding="utf-8"))
+    return _read_json(path, data_dir)
 
 
 # ----------------------------------------------------------------------------------------------
