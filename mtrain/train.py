@@ -425,8 +425,10 @@ class Trainer:
         from mtrain import data
 
         split = self.valid_split
+        # Valid/test are kept exactly as given (not cleaned): a pair longer than max_tokens gets a
+        # batch of its own instead of failing the run at its first validation.
         batches = data.make_batches(split.src.lengths, split.tgt.lengths, self.tcfg.max_tokens,
-                                    seed=self.tcfg.seed, epoch=0, shuffle=False)
+                                    seed=self.tcfg.seed, epoch=0, shuffle=False, allow_oversize=True)
         loss = nll = 0.0
         objective = Objective(self.model, self.tcfg.label_smoothing)
         for batch in batches:
