@@ -215,6 +215,9 @@ TABLE: dict[str, list[Case]] = {
              id="truncated meta.json"),
         Case(lambda e: train(e, data=_damaged_tok(e, "train.src.ids.npy", b"\x93NUMPY garbage")), ("train.src.ids.npy",),
              ("run",), id="damaged ids file"),
+        # Over train.max_tokens (512) is what matters; 10,000 tokens would only make the test slow.
+        Case(lambda e: train(e, "--set", "train.eval_max_sentences=1", data=_tokenized(e, valid=" ".join(["Hund"] * 1000))),
+             ok=True, id="1,000-token line in the valid split"),
         Case(lambda e: train(e, "--set", "train.max_step=3"), ("train.max_step", "max_steps"), ("run",), id="unknown config key"),
         Case(lambda e: train(e, "--set", "train.lr_scale=fast"), ("train.lr_scale", "number"), ("run",), id="wrong value type"),
         Case(lambda e: train(e, "--set", "model.n_heads=3"), ("n_heads",), ("run",), id="d_model not divisible by n_heads"),
@@ -295,6 +298,16 @@ def _damaged_tok(env: Env, name: str, data: bytes) -> Path:
     shutil.copytree(env.tok, folder)
     (folder / name).write_bytes(data)
     return folder
+
+
+def _tokenized(env: Env, valid: str) -> Path:
+    """`mtrain tokenize` of the raw corpus with `valid` as an extra first valid pair (valid is not cleaned)."""
+    from mtrain.config import load_config
+    from mtrain.data import tokenize_corpus
+
+    raw = env.corpus(valid_de=f"{valid}\n{env.text('valid.de')}".encode(), valid_en=f"{valid}\n{env.text('valid.en')}".encode())
+    tokenize_corpus(load_config(None, ["tokenizer.vocab_size=400"]), raw, env.tmp / "tok-long", ["train", "valid"])
+    return env.tmp / "tok-long"
 
 
 def _other_model(env: Env) -> Path:
