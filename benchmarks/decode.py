@@ -85,8 +85,8 @@ class FixedLength(torch.nn.Module):
         super().__init__()
         self.model, self.cfg, self.steps = model, model.cfg, 0
 
-    def new_cache(self):
-        return self.model.new_cache()
+    def new_cache(self, group: int = 1):
+        return self.model.new_cache(group)
 
     def encode(self, src):
         return self.model.encode(src)

@@ -81,7 +81,10 @@ class CrossAttention(nn.Module):
             if cache.cross_k is None:
                 cache.cross_k, cache.cross_v = self.memory_kv(memory)
             k, v = cache.cross_k, cache.cross_v
-        q = self.q(x).view(B, T, self.n_heads, D // self.n_heads).transpose(1, 2)  # (B, H, T, d_head)
+        # With cache.group = G > 1 (beam search), K/V are stored once per source and the G rows of
+        # one source attend with their queries side by side: (B, T) -> (B / G, G * T) queries.
+        G = 1 if cache is None else cache.group
+        q = self.q(x).view(B // G, G * T, self.n_heads, D // self.n_heads).transpose(1, 2)  # (B/G, H, G*T, d_head)
         p = self.attention_dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
         return self.out(y.transpose(1, 2).reshape(B, T, D))
@@ -131,9 +134,11 @@ class DecoderLayer(nn.Module):
 
 
 class LayerCache:
-    """One decoder layer's cached keys and values, each (B, H, length, d_head)."""
+    """One decoder layer's cached keys and values, each (B, H, length, d_head); cross-attention
+    ones are per source row, (B / group, H, S, d_head)."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: int = 1) -> None:
+        self.group = group
         self.self_k: Tensor | None = None
         self.self_v: Tensor | None = None
         self.cross_k: Tensor | None = None
@@ -148,30 +153,39 @@ class LayerCache:
         return k, v
 
     def tensors(self) -> dict[str, Tensor]:
-        return {name: t for name, t in vars(self).items() if t is not None}
+        return {name: t for name, t in vars(self).items() if isinstance(t, Tensor)}
 
 
 class KVCache:
     """Decoding state for `Transformer.decode*`: per decoder layer, self-attention K/V that grow by
-    the tokens of each call, cross-attention K/V computed once; `length` = target tokens seen."""
+    the tokens of each call, cross-attention K/V computed once; `length` = target tokens seen.
 
-    def __init__(self, n_layers: int) -> None:
-        self.layers = [LayerCache() for _ in range(n_layers)]
+    group = G > 1 (beam search): target row r belongs to source row r // G, and decode is given
+    memory/src with one row per source, so cross-attention K/V are computed and stored once per
+    source instead of once per beam."""
+
+    def __init__(self, n_layers: int, group: int = 1) -> None:
+        self.group = group
+        self.layers = [LayerCache(group) for _ in range(n_layers)]
         self.length = 0
         self.src_mask: Tensor | None = None  # (B, 1, 1, S) key mask, fixed on the first call
 
     def reorder(self, index: Tensor, cross: bool = True) -> None:
         """Keep/duplicate/permute batch rows (beam search): row i becomes old row index[i].
 
-        cross=False leaves the cross-attention K/V and the source mask as they are. That is exact
-        when index only moves rows among rows of one source (beams of one sentence), and it saves
-        copying them at every beam-search step (the largest cost of a step on CPU otherwise)."""
+        Per-source state (cross-attention K/V, source mask) follows index[::group] // group, which
+        assumes each new group of rows comes from one old group. cross=False leaves it as it is:
+        exact when index only moves rows among rows of one source (beams of one sentence), and it
+        saves copying it at every beam-search step."""
+        source = index[:: self.group] // self.group if self.group > 1 else index
         for layer in self.layers:
             for name, t in layer.tensors().items():
-                if cross or name.startswith("self_"):
+                if name.startswith("self_"):
                     setattr(layer, name, t.index_select(0, index))
+                elif cross:
+                    setattr(layer, name, t.index_select(0, source))
         if cross and self.src_mask is not None:
-            self.src_mask = self.src_mask.index_select(0, index)
+            self.src_mask = self.src_mask.index_select(0, source)
 
 
 class Transformer(nn.Module):
@@ -220,8 +234,9 @@ class Transformer(nn.Module):
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=d ** -0.5)
 
-    def new_cache(self) -> KVCache:
-        return KVCache(len(self.decoder))
+    def new_cache(self, group: int = 1) -> KVCache:
+        """group > 1: beam search with `group` target rows per source row (see KVCache)."""
+        return KVCache(len(self.decoder), group)
 
     def embed(self, ids: Tensor, table: nn.Embedding, start: int = 0) -> Tensor:
         """Token embedding * sqrt(d_model) + sinusoid of positions start.., then dropout."""

@@ -52,15 +52,6 @@ def mask_scores(scores: Tensor, at_max: Tensor) -> Tensor:
     return scores
 
 
-def _start(model, src: Tensor, rows_per_sentence: int):
-    """Encode once, then repeat each sentence's memory and ids for its beam rows (row b*K + k)."""
-    memory = model.encode(src)
-    if rows_per_sentence > 1:
-        memory = memory.repeat_interleave(rows_per_sentence, dim=0)
-        src = src.repeat_interleave(rows_per_sentence, dim=0)
-    return memory, src, model.new_cache()
-
-
 def _until_eos(row: list[int]) -> list[int]:
     return row[: row.index(EOS_ID)] if EOS_ID in row else row
 
@@ -71,7 +62,7 @@ def greedy_search(model, src: Tensor, max_len: Tensor) -> list[list[int]]:
     max_len (B,) maximum output lengths. Finished sentences leave the batch (and the cache)."""
     B = src.size(0)
     max_len = max_len.to(src.device)
-    memory, src, cache = _start(model, src, 1)
+    memory, cache = model.encode(src), model.new_cache()
     out = src.new_full((B, int(max_len.max()) + 1), EOS_ID)
     active = torch.arange(B, device=src.device)  # original index of each row still decoding
     tokens = src.new_full((B,), BOS_ID)
@@ -105,7 +96,8 @@ def beam_search(model, src: Tensor, beam: int, lenpen: float, max_len: Tensor,
     B, K, device = src.size(0), beam, src.device
     max_len = max_len.to(device)
     steps = int(max_len.max()) + 1  # the last step can only add EOS
-    memory, src, cache = _start(model, src, K)
+    # Rows b*K .. b*K+K-1 are sentence b's beams; the cache keeps one cross-attention K/V per sentence.
+    memory, cache = model.encode(src), model.new_cache(group=K)
     history = src.new_full((B * K, steps), EOS_ID)  # tokens of the alive hypotheses
     scores = torch.full((B, K), NEG_INF, device=device)
     scores[:, 0] = 0.0  # one live beam at the start, so the K first extensions are distinct
@@ -133,11 +125,10 @@ def beam_search(model, src: Tensor, beam: int, lenpen: float, max_len: Tensor,
         pruned = keep.numel() < A
         if pruned:  # drop done sentences: fewer rows for every later step
             active, scores, parent, token = active[keep], scores[keep], parent[keep], token[keep]
-            rows = (keep.unsqueeze(1) * K + torch.arange(K, device=device)).flatten()
-            memory, src = memory[rows], src[rows]
+            memory, src = memory[keep], src[keep]
         rows = parent.flatten()
-        # A sentence's K rows share their source, so moving beams within a sentence leaves the
-        # cross-attention K/V as they are; only dropping sentences has to touch them.
+        # Moving beams within their sentence leaves the per-sentence cross-attention K/V as they
+        # are; only dropping sentences has to touch them.
         cache.reorder(rows, cross=pruned)
         history = history[rows]
         tokens = token.flatten()

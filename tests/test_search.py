@@ -18,11 +18,13 @@ VOCAB = 8
 
 
 class ScriptedCache:
-    """The prefix generated so far per row; reorder is an index_select, as in the real cache."""
+    """The prefix generated so far per row; reorder is an index_select, as in the real cache.
+    With group G, target row r belongs to source row r // G (as in mtrain.model.KVCache)."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: int) -> None:
         self.prefix: torch.Tensor | None = None
         self.length = 0
+        self.group = group
 
     def reorder(self, index: torch.Tensor, cross: bool = True) -> None:
         self.prefix = self.prefix.index_select(0, index)
@@ -35,21 +37,21 @@ class ScriptedModel:
     def __init__(self, table: dict[tuple[int, tuple[int, ...]], dict[int, float]]) -> None:
         self.table = table
 
-    def new_cache(self) -> ScriptedCache:
-        return ScriptedCache()
+    def new_cache(self, group: int = 1) -> ScriptedCache:
+        return ScriptedCache(group)
 
     def encode(self, src: torch.Tensor) -> torch.Tensor:
         return src.float().unsqueeze(-1)  # memory (B, S, 1): carries the sentence key
 
     def decode(self, tgt, memory, src, cache):
         assert tgt.shape[1] == 1, "search must feed only the newest token"
-        assert memory.shape[0] == src.shape[0] == tgt.shape[0]
+        assert memory.shape[0] == src.shape[0] == tgt.shape[0] // cache.group
         cache.prefix = tgt if cache.prefix is None else torch.cat([cache.prefix, tgt], dim=1)
         cache.length += 1
         logits = torch.full((tgt.shape[0], 1, VOCAB), float("-inf"))
         for row, prefix in enumerate(cache.prefix.tolist()):
             assert prefix[0] == BOS_ID
-            probs = self.table.get((int(src[row, 0]), tuple(prefix[1:])), {EOS_ID: 1.0})
+            probs = self.table.get((int(src[row // cache.group, 0]), tuple(prefix[1:])), {EOS_ID: 1.0})
             for token, p in probs.items():
                 logits[row, 0, token] = math.log(p)
         return logits
@@ -226,6 +228,35 @@ def test_batch_equals_each_sentence_alone(model, beam):
         assert [ids for ids, _ in together[i]] == [ids for ids, _ in alone]
         assert [s for _, s in together[i]] == pytest.approx([s for _, s in alone], abs=1e-4)
         assert greedy[i] == greedy_search(model, alone_src, max_len[i : i + 1])[0]
+
+
+class Ungrouped:
+    """The same model with cross-attention K/V per beam row (memory and src repeated per row),
+    as a reference for the per-sentence K/V that beam search normally gets."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.model = model
+
+    def encode(self, src):
+        return self.model.encode(src)
+
+    def new_cache(self, group: int = 1):
+        cache = self.model.new_cache()
+        cache.rows_per_source = group
+        return cache
+
+    def decode(self, tgt, memory, src, cache):
+        repeat = cache.rows_per_source
+        return self.model.decode(tgt, memory.repeat_interleave(repeat, 0), src.repeat_interleave(repeat, 0), cache)
+
+
+@pytest.mark.parametrize("beam", [2, 4])
+def test_per_sentence_cross_attention_equals_per_row(model, beam):
+    src, max_len = random_batch(5)  # sentences end at different steps: the batch shrinks as it goes
+    grouped = beam_search(model, src, beam=beam, lenpen=0.6, max_len=max_len, nbest=beam)
+    per_row = beam_search(Ungrouped(model), src, beam=beam, lenpen=0.6, max_len=max_len, nbest=beam)
+    assert [[ids for ids, _ in hyps] for hyps in grouped] == [[ids for ids, _ in hyps] for hyps in per_row]
+    assert [s for hyps in grouped for _, s in hyps] == pytest.approx([s for hyps in per_row for _, s in hyps], abs=1e-4)
 
 
 def test_nbest_must_not_exceed_beam(model):

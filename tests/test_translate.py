@@ -24,8 +24,9 @@ REAL = [
 
 
 class CopyCache:
-    def __init__(self) -> None:
+    def __init__(self, group: int) -> None:
         self.length = 0
+        self.group = group  # target rows per source row (beam search)
 
     def reorder(self, index: torch.Tensor, cross: bool = True) -> None:  # every row is at the same position
         pass
@@ -39,8 +40,8 @@ class CopyModel:
         self.cfg = SimpleNamespace(max_len=max_len)
         self.vocab_size = vocab_size
 
-    def new_cache(self) -> CopyCache:
-        return CopyCache()
+    def new_cache(self, group: int = 1) -> CopyCache:
+        return CopyCache(group)
 
     def encode(self, src: torch.Tensor) -> torch.Tensor:
         return src.float().unsqueeze(-1)
@@ -49,7 +50,7 @@ class CopyModel:
         position = min(cache.length, src.size(1) - 1)
         cache.length += 1
         probs = torch.full((tgt.size(0), 1, self.vocab_size), 0.1 / (self.vocab_size - 1))
-        probs.scatter_(2, src[:, position].view(-1, 1, 1), 0.9)
+        probs.scatter_(2, src[:, position].repeat_interleave(cache.group).view(-1, 1, 1), 0.9)
         return probs.log()
 
 
