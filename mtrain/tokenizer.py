@@ -178,7 +178,7 @@ def _decode(proc: spm.SentencePieceProcessor, ids: list[list[int]]) -> list[str]
     size = proc.get_piece_size()
     # Ids from tensors may be numpy/torch ints; out-of-range ids would crash SentencePiece.
     clean = [[int(i) for i in seq if int(i) not in _SKIP and 0 <= int(i) < size] for seq in ids]
-    return proc.decode(clean)
+    return proc.decode(clean) if clean else []  # SentencePiece decodes [] as one empty line: ''
 
 
 def _visible(normalized: str) -> str:
