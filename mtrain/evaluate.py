@@ -30,6 +30,8 @@ def read_lines(path: str | Path) -> list[str]:
         raise MtrainError(f"{path}: file not found; check the path") from None
     except OSError as err:
         raise MtrainError(f"{path}: cannot read ({err.strerror}); check the path and permissions") from None
+    if data.startswith(b"\xef\xbb\xbf"):  # a BOM marks the encoding, it is not text: it would cost line 1 its first word
+        data = data[3:]
     raw = data.split(b"\n")
     if raw[-1] == b"":  # the newline ending the last line starts no new line
         raw.pop()
