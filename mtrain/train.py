@@ -243,7 +243,8 @@ class StopSignal:
 # ---------------------------------------------------------------- the trainer
 
 class Trainer:
-    """Holds the run: data, model, optimizer, state. `run()` is the loop; each method does one job."""
+    """Holds one run's parts (data, model, optimizer, TrainState) and does the single jobs:
+    resume, one update, validate, save. The loop around them is `Run`."""
 
     def __init__(self, cfg: Config, data_dir: Path, run_dir: Path, device: torch.device,
                  dist: dist_utils.DistInfo) -> None:
@@ -677,7 +678,7 @@ def _run(trainer: Trainer) -> dict[str, Any]:
     if s.step >= trainer.tcfg.max_steps:
         trainer.log(f"{trainer.run_dir / 'last.pt'} is already at step {s.step} >= train.max_steps="
                     f"{trainer.tcfg.max_steps}; raise train.max_steps to train further")
-        return {"stopped": "done", "step": s.step, "best_bleu": s.best_bleu, "best_step": s.best_step}
+        return {"stopped": "done", "step": s.step, "best_bleu": s.best_bleu if s.best_step else None, "best_step": s.best_step}
     trainer.model.train()
     with StopSignal() as stop_signal:
         reason = run.loop(stop_signal)
@@ -687,7 +688,7 @@ def _run(trainer: Trainer) -> dict[str, Any]:
                         "re-run the same command to resume")
         else:
             run.finish(reason)
-    summary = {"stopped": reason, "step": s.step, "best_bleu": s.best_bleu, "best_step": s.best_step,
+    summary = {"stopped": reason, "step": s.step, "best_bleu": s.best_bleu if s.best_step else None, "best_step": s.best_step,
                "nonfinite": s.nonfinite_total, "run_dir": str(trainer.run_dir)}
     if stop_signal.signum is not None:
         summary["signal"] = int(stop_signal.signum)

@@ -79,7 +79,7 @@ def test_accumulation_equals_one_big_batch(copy_data):
 def test_exact_resume_is_bit_identical(copy_data, tmp_path, monkeypatch):
     """Stop at a save point (as SIGINT would), re-run the same command: every weight and every
     Adam moment equals an uninterrupted run's, though validation ran in between."""
-    args = ["train.max_steps=12", "train.save_every=3", "train.eval_every=4"]
+    args = ["train.max_steps=12", "train.save_every=3", "train.eval_every=4", "train.eval_max_sentences=2"]
     full = run(copy_data, tmp_path / "full", *args)
     monkeypatch.setenv("MTRAIN_STOP_AT_STEP", "6")
     stopped = run(copy_data, tmp_path / "split", *args)
@@ -202,3 +202,37 @@ def test_cli_dry_run_and_print_config(tokenized_slice):
     summary = json.loads(dry.stdout[dry.stdout.index("{"):])
     assert summary["parameters"] > 0 and summary["batches_per_epoch"] > 0
     assert summary["tokens_per_batch"]["max"] <= 4096 and summary["model"]["vocab_size"] == 1000
+
+
+@pytest.mark.slow  # two CLI subprocesses (torch import each) plus a reference run: ~30-50 s on 2 busy cores
+def test_sigterm_saves_and_resume_matches_uninterrupted(copy_data, tmp_path):
+    """SIGTERM mid-run: the step in flight finishes, last.pt is saved, exit code 143; re-running
+    the same command ends bit-identical to a run that was never stopped."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    args = ["train.max_steps=60", "train.log_every=1", "train.eval_every=1000", "train.save_every=1000"]
+    command = [sys.executable, "-m", "mtrain", "train", "--data", str(copy_data), "--out", str(tmp_path / "cut"),
+               "--device", "cpu"] + [x for item in TINY + args for x in ("--set", item)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    metrics = tmp_path / "cut" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+            proc.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.02)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert "SIGTERM" in err and "re-run the same command to resume" in err
+    stopped_at = checkpoint.load(tmp_path / "cut" / "last.pt")["step"]
+    assert 3 <= stopped_at < 60
+    resumed = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert resumed.returncode == 0 and f"resuming from {tmp_path / 'cut' / 'last.pt'}: step {stopped_at}" in resumed.stderr
+    run(copy_data, tmp_path / "whole", *args)
+    a, b = weights(tmp_path / "whole" / "last.pt"), weights(tmp_path / "cut" / "last.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
