@@ -339,6 +339,58 @@ def test_disk_full_keeps_previous_checkpoints_and_the_rerun_ends_identical(token
     assert_identical_runs(reference, tmp_path)
 
 
+class FullDisk:
+    """A text file handle that takes `room` characters, then raises ENOSPC."""
+
+    def __init__(self, handle, room: int) -> None:
+        self.handle, self.room = handle, room
+
+    def write(self, text: str) -> int:
+        if len(text) > self.room:
+            self.handle.write(text[: self.room])
+            raise OSError(28, "No space left on device")
+        self.room -= len(text)
+        return self.handle.write(text)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name):
+        return getattr(self.handle, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.close()
+
+
+@pytest.mark.parametrize("command", ["translate", "eval"])
+def test_disk_full_while_writing_translations_keeps_the_previous_file(reference, tmp_path, monkeypatch, command):
+    """`translate --output` and `eval --output-hyp` write a temp file and rename it: a full disk
+    leaves the previous file as it was, no temp file, and one line on stderr."""
+    real_fdopen = os.fdopen
+
+    def fdopen(fd, mode="r", *args, **kwargs):
+        handle = real_fdopen(fd, mode, *args, **kwargs)
+        return FullDisk(handle, room=1) if mode == "w" else handle
+
+    src = tmp_path / "in.de"
+    src.write_text("Ein Mann schläft.\nZwei Hunde.\nEine Frau.\n", encoding="utf-8")
+    ref = tmp_path / "ref.en"
+    ref.write_text("A man sleeps.\nTwo dogs.\nA woman.\n", encoding="utf-8")
+    out = tmp_path / "out.en"
+    out.write_text("yesterday's translations\n", encoding="utf-8")
+    args = {"translate": ["translate", "--checkpoint", reference / "best.pt", "--input", src, "--output", out],
+            "eval": ["eval", "--checkpoint", reference / "best.pt", "--src", src, "--ref", ref, "--output-hyp", out]}
+    monkeypatch.setattr(os, "fdopen", fdopen)
+    assert_one_line_error(cli(*args[command], "--device", "cpu"), "No space left on device")
+    monkeypatch.undo()
+    assert out.read_text(encoding="utf-8") == "yesterday's translations\n"
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
 # ---------------------------------------------------------------- damaged and hostile checkpoints
 
 class WritesMarker:
