@@ -43,8 +43,8 @@ def friendly(fn: Callable) -> Callable:
             raise typer.Exit(0) from None
         except OSError as err:  # an output path that is a folder (or a file), permissions, a full disk
             where = err.filename2 or err.filename  # os.replace(tmp, target) names the target second
-            typer.echo(f"error: {where}: {err.strerror or err}; check the path (a file where a folder is expected, "
-                       "or the reverse), its permissions and the free disk space", err=True)
+            typer.echo(f"error: {f'{where}: ' if where else ''}{err.strerror or err}; check the path (a file where a "
+                       "folder is expected, or the reverse), its permissions and the free disk space", err=True)
             raise typer.Exit(1) from None
 
     return wrapper
