@@ -385,7 +385,8 @@ def test_disk_full_while_writing_translations_keeps_the_previous_file(reference,
     args = {"translate": ["translate", "--checkpoint", reference / "best.pt", "--input", src, "--output", out],
             "eval": ["eval", "--checkpoint", reference / "best.pt", "--src", src, "--ref", ref, "--output-hyp", out]}
     monkeypatch.setattr(os, "fdopen", fdopen)
-    assert_one_line_error(cli(*args[command], "--device", "cpu"), "No space left on device")
+    line = assert_one_line_error(cli(*args[command], "--device", "cpu"), "No space left on device", "disk space")
+    assert "None" not in line, line
     monkeypatch.undo()
     assert out.read_text(encoding="utf-8") == "yesterday's translations\n"
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
