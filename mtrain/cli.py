@@ -112,7 +112,7 @@ def train(
     out: Optional[Path] = typer.Option(None, "--out", help="Run folder (checkpoints, metrics, plot). Re-running the same command resumes from its last.pt."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N (auto: cuda when available)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Build data and model, print a JSON summary (parameters, batches) and exit."),
-    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Optimizer updates [train.max_steps]."),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Optimizer updates (train.max_steps)."),
     config: Optional[Path] = ConfigOpt,
     overrides: Optional[List[str]] = SetOpt,
     print_config: bool = PrintConfigOpt,

@@ -520,7 +520,9 @@ class Run:
             # A write killed by kill -9 or a crash leaves its temp file (a checkpoint's size each time).
             for stale in tr.run_dir.glob(".*.pt.*.tmp"):
                 stale.unlink(missing_ok=True)
-            (tr.run_dir / "config.yaml").write_text(to_yaml(tr.cfg), encoding="utf-8")
+            tmp = tr.run_dir / "config.yaml.tmp"  # temp + rename: a kill never leaves half a file
+            tmp.write_text(to_yaml(tr.cfg), encoding="utf-8")
+            os.replace(tmp, tr.run_dir / "config.yaml")
             self.metrics = MetricsLog(tr.run_dir / "metrics.jsonl", resume_step=tr.state.step if resumed else None)
         if not resumed:
             tr.log(f"training {sum(p.numel() for p in tr.model.parameters()):,} parameters on {tr.device} "
