@@ -143,17 +143,34 @@ class LayerCache:
         self.self_v: Tensor | None = None
         self.cross_k: Tensor | None = None
         self.cross_v: Tensor | None = None
+        # A row reorder of self_k/self_v not applied yet: the next append applies it while it
+        # copies anyway (one copy of the cache per beam-search step instead of two).
+        self.order: Tensor | None = None
 
     def append_self(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Append this step's keys/values and return all of them so far."""
         if self.self_k is not None:
-            k = torch.cat([self.self_k, k], dim=2)
-            v = torch.cat([self.self_v, v], dim=2)
-        self.self_k, self.self_v = k, v
+            k = _reorder_cat(self.self_k, k, self.order)
+            v = _reorder_cat(self.self_v, v, self.order)
+        self.self_k, self.self_v, self.order = k, v, None
         return k, v
+
+    def reorder_self(self, index: Tensor) -> None:
+        self.order = index if self.order is None else self.order.index_select(0, index)
 
     def tensors(self) -> dict[str, Tensor]:
         return {name: t for name, t in vars(self).items() if isinstance(t, Tensor)}
+
+
+def _reorder_cat(old: Tensor, new: Tensor, order: Tensor | None) -> Tensor:
+    """torch.cat([old[order], new], dim=2), with index_select writing straight into the result."""
+    if order is None:
+        return torch.cat([old, new], dim=2)
+    length = old.shape[2]
+    out = old.new_empty(order.numel(), old.shape[1], length + new.shape[2], old.shape[3])
+    torch.index_select(old, 0, order, out=out[:, :, :length])
+    out[:, :, length:] = new
+    return out
 
 
 class KVCache:
@@ -179,11 +196,10 @@ class KVCache:
         saves copying it at every beam-search step."""
         source = index[:: self.group] // self.group if self.group > 1 else index
         for layer in self.layers:
-            for name, t in layer.tensors().items():
-                if name.startswith("self_"):
-                    setattr(layer, name, t.index_select(0, index))
-                elif cross:
-                    setattr(layer, name, t.index_select(0, source))
+            layer.reorder_self(index)
+            for name in ("cross_k", "cross_v"):
+                if cross and getattr(layer, name) is not None:
+                    setattr(layer, name, getattr(layer, name).index_select(0, source))
         if cross and self.src_mask is not None:
             self.src_mask = self.src_mask.index_select(0, source)
 
