@@ -1,0 +1,324 @@
+"""Training speed side by side: forward + backward + Adam step of mtrain, a `torch.nn.Transformer`
+build and Hugging Face `MarianMTModel` at one shape on the same token batches, plus the machine's
+fp32 matmul peak measured in the same run. A table goes to stderr; `--json` prints one JSON object.
+
+    python benchmarks/train_step.py --quick --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mtrain.config import ModelConfig
+from mtrain.data import make_batches
+from mtrain.model import Transformer, sinusoids
+from mtrain.train import Objective
+
+ROOT = Path(__file__).resolve().parents[1]
+PAD, BOS, EOS = 0, 2, 3
+LABEL_SMOOTHING = 0.1
+Batch = tuple[Tensor, Tensor, Tensor]  # src, tgt_in, tgt_out, padded with PAD
+
+
+# ---------------------------------------------------------------- the data: real lengths, random ids
+
+def sample_lengths(n: int, seed: int) -> tuple[np.ndarray, np.ndarray, str]:
+    """Source/target lengths (without EOS) of n sentence pairs: subword lengths from a tokenized
+    Multi30k folder if one exists, else whitespace-token lengths of raw Multi30k train (a subword
+    vocabulary makes them ~10-30% longer), else synthetic 13 +- 4."""
+    rng = np.random.default_rng(seed)
+    for folder in sorted(ROOT.glob("data/*")) + sorted(ROOT.parent.glob("shared/corpora/*")):
+        if (folder / "train.src.offsets.npy").is_file() and (folder / "train.tgt.offsets.npy").is_file():
+            src = np.diff(np.load(folder / "train.src.offsets.npy"))
+            tgt = np.diff(np.load(folder / "train.tgt.offsets.npy"))
+            pick = rng.choice(len(src), size=n, replace=False)
+            return src[pick], tgt[pick], f"subword lengths of {folder.relative_to(ROOT.parent)}"
+    for folder in (ROOT / "data" / "multi30k", ROOT.parent / "shared" / "corpora" / "multi30k"):
+        if (folder / "train.de").is_file():
+            de = [len(line.split()) for line in (folder / "train.de").read_text(encoding="utf-8").splitlines()]
+            en = [len(line.split()) for line in (folder / "train.en").read_text(encoding="utf-8").splitlines()]
+            pick = rng.choice(len(de), size=n, replace=False)
+            return np.maximum(np.asarray(de)[pick], 1), np.maximum(np.asarray(en)[pick], 1), \
+                f"whitespace lengths of {folder.relative_to(ROOT.parent)}/train.de-en"
+    src = np.clip(rng.normal(13, 4, n).round(), 1, None).astype(np.int64)
+    tgt = np.clip(src + rng.integers(-2, 3, n), 1, None)
+    return src, tgt, "synthetic 13 +- 4"
+
+
+def to_batch(src_lens: np.ndarray, tgt_lens: np.ndarray, vocab: int, gen: torch.Generator) -> Batch:
+    """Random ids at the given lengths, laid out as mtrain.data.collate does."""
+    B = len(src_lens)
+    src = torch.full((B, int(src_lens.max()) + 1), PAD)
+    tgt_in = torch.full((B, int(tgt_lens.max()) + 1), PAD)
+    tgt_out = tgt_in.clone()
+    for i, (s, t) in enumerate(zip(src_lens, tgt_lens)):
+        src[i, :s] = torch.randint(4, vocab, (s,), generator=gen)
+        src[i, s] = EOS
+        words = torch.randint(4, vocab, (t,), generator=gen)
+        tgt_in[i, 0], tgt_in[i, 1:t + 1] = BOS, words
+        tgt_out[i, :t], tgt_out[i, t] = words, EOS
+    return src, tgt_in, tgt_out
+
+
+def bucketed_batches(src_lens, tgt_lens, max_tokens: int, n: int, vocab: int, seed: int) -> list[Batch]:
+    """n of mtrain's own length-bucketed batches (mtrain.data.make_batches), skipping the few tiny
+    ones at the length extremes so every timed batch is near the token budget."""
+    index_batches = make_batches(src_lens, tgt_lens, max_tokens, seed=seed, epoch=0)
+    cost = lambda b: len(b) * (max(src_lens[b].max(), tgt_lens[b].max()) + 1)  # noqa: E731
+    full = [b for b in index_batches if cost(b) >= 0.9 * max_tokens]
+    gen = torch.Generator().manual_seed(seed)
+    return [to_batch(src_lens[b], tgt_lens[b], vocab, gen) for b in full[:n]]
+
+
+def random_batches(src_lens, tgt_lens, max_tokens: int, n: int, vocab: int, seed: int) -> list[Batch]:
+    """Batches in corpus order (no bucketing) under the same budget rule: what a plain DataLoader
+    with a token budget gives, padding each batch to its longest sentence."""
+    gen = torch.Generator().manual_seed(seed)
+    batches, start = [], 0
+    while len(batches) < n and start < len(src_lens):
+        end = start + 1
+        while end < len(src_lens):
+            longest = max(src_lens[start:end + 1].max(), tgt_lens[start:end + 1].max()) + 1
+            if (end + 1 - start) * longest > max_tokens:
+                break
+            end += 1
+        batches.append(to_batch(src_lens[start:end], tgt_lens[start:end], vocab, gen))
+        start = end
+    return batches
+
+
+# ---------------------------------------------------------------- the three models, one step each
+
+class TorchTransformer(nn.Module):
+    """The usual `torch.nn.Transformer` build (the PyTorch tutorial's): embeddings * sqrt(d_model)
+    + sinusoids, post-norm nn.Transformer with padding and causal masks, vocabulary projection at
+    every position. Embeddings and projection are tied three ways as in mtrain, so both have the
+    same parameters and matmuls."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        nn.init.normal_(self.embed.weight, std=cfg.d_model ** -0.5)  # as mtrain: unit-scale logits
+        self.register_buffer("pe", sinusoids(cfg.max_len, cfg.d_model), persistent=False)
+        self.scale, self.dropout = math.sqrt(cfg.d_model), nn.Dropout(cfg.dropout)
+        self.transformer = nn.Transformer(cfg.d_model, cfg.n_heads, cfg.n_encoder_layers, cfg.n_decoder_layers,
+                                          cfg.d_ff, cfg.dropout, batch_first=True, norm_first=False)
+
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        x = self.dropout(self.embed(src) * self.scale + self.pe[:src.shape[1]])
+        y = self.dropout(self.embed(tgt_in) * self.scale + self.pe[:tgt_in.shape[1]])
+        T = tgt_in.shape[1]
+        causal = torch.ones(T, T, dtype=torch.bool).triu(1)  # True = blocked (nn.MultiheadAttention)
+        states = self.transformer(x, y, tgt_mask=causal, tgt_is_causal=True, src_key_padding_mask=src == PAD,
+                                  tgt_key_padding_mask=tgt_in == PAD, memory_key_padding_mask=src == PAD)
+        return states @ self.embed.weight.T  # (B, T, V)
+
+
+def full_logits_loss(logits: Tensor, tgt_out: Tensor) -> Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), tgt_out.flatten(), ignore_index=PAD,
+                           label_smoothing=LABEL_SMOOTHING, reduction="sum")
+
+
+def mtrain_step_fn(cfg: ModelConfig, compile_: bool) -> tuple[Callable[[Batch], Tensor], nn.Module]:
+    model = Transformer(cfg).train()
+    objective = Objective(model, LABEL_SMOOTHING)  # what `mtrain train` runs: projection at real positions only
+    if compile_:
+        objective = torch.compile(objective, dynamic=True)
+    return lambda b: objective(*b)[0], model
+
+
+def nn_step_fn(cfg: ModelConfig) -> tuple[Callable[[Batch], Tensor], nn.Module]:
+    model = TorchTransformer(cfg).train()
+    return lambda b: full_logits_loss(model(b[0], b[1]), b[2]), model
+
+
+def marian_step_fn(cfg: ModelConfig) -> tuple[Callable[[Batch], Tensor], nn.Module] | None:
+    try:
+        from transformers import MarianConfig, MarianMTModel
+    except ImportError:
+        return None
+    config = MarianConfig(
+        vocab_size=cfg.vocab_size, decoder_vocab_size=cfg.vocab_size, d_model=cfg.d_model,
+        encoder_layers=cfg.n_encoder_layers, decoder_layers=cfg.n_decoder_layers,
+        encoder_attention_heads=cfg.n_heads, decoder_attention_heads=cfg.n_heads,
+        encoder_ffn_dim=cfg.d_ff, decoder_ffn_dim=cfg.d_ff, activation_function="relu",
+        dropout=cfg.dropout, attention_dropout=0.0, activation_dropout=cfg.dropout,
+        max_position_embeddings=cfg.max_len, scale_embedding=True, pad_token_id=PAD,
+        decoder_start_token_id=BOS, eos_token_id=EOS, forced_eos_token_id=EOS,
+        share_encoder_decoder_embeddings=True, tie_word_embeddings=True)
+    model = MarianMTModel(config).train()  # post-norm, sinusoidal positions, SDPA attention
+
+    def loss(b: Batch) -> Tensor:
+        src, tgt_in, tgt_out = b
+        out = model(input_ids=src, attention_mask=src != PAD, decoder_input_ids=tgt_in,
+                    decoder_attention_mask=tgt_in != PAD, use_cache=False)
+        return full_logits_loss(out.logits, tgt_out)
+
+    return loss, model
+
+
+# ---------------------------------------------------------------- measuring
+
+def matmul_peak_gflops(n: int = 2048, reps: int = 10) -> float:
+    """Best fp32 GFLOP/s of an n x n x n torch.matmul (2 n^3 FLOPs): the practical ceiling here."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm up the BLAS threads
+    best = math.inf
+    for _ in range(reps):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n ** 3 / best / 1e9
+
+
+def train_flops(batch: Batch, cfg: ModelConfig, project_pads: bool) -> float:
+    """Matmul FLOPs of one training step as run (padded shapes), counted explicitly: 2*m*n*k per
+    (m x k) @ (k x n) product; backward does two products per forward one, so a step is 3 x forward.
+    Attention counts the full S x S (T x T) score and value products. Element-wise work (softmax,
+    LayerNorm, dropout, Adam) is not counted: it is memory-bound and small next to the matmuls."""
+    src, tgt_in, tgt_out = batch
+    (B, S), T = src.shape, tgt_in.shape[1]
+    d, f, V = cfg.d_model, cfg.d_ff, cfg.vocab_size
+    enc_tokens, dec_tokens = B * S, B * T
+    encoder = 2 * enc_tokens * (4 * d * d + 2 * d * f) + 4 * B * S * S * d  # QKV+out, FFN; QK^T and AV
+    decoder = (2 * dec_tokens * (6 * d * d + 2 * d * f)  # self QKV+out, cross Q+out, FFN
+               + 2 * enc_tokens * 2 * d * d  # cross-attention K, V from the memory
+               + 4 * B * T * T * d + 4 * B * T * S * d)  # self and cross attention products
+    projected = dec_tokens if project_pads else int((tgt_out != PAD).sum())
+    forward = cfg.n_encoder_layers * encoder + cfg.n_decoder_layers * decoder + 2 * projected * d * V
+    return 3.0 * forward
+
+
+def time_models(steps: dict[str, tuple[Callable, nn.Module, list[Batch]]], rounds: int, warmup: int,
+                amp: str) -> dict[str, float]:
+    """Seconds per model over `rounds` passes of its batches. Models take turns batch by batch,
+    so load from other processes on a shared machine hits all of them alike."""
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if amp == "bf16" else contextlib.nullcontext
+    optimizers = {name: torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+                  for name, (_, model, _) in steps.items()}
+
+    def step(name: str, batch: Batch) -> None:
+        loss_fn, _, _ = steps[name]
+        optimizers[name].zero_grad(set_to_none=True)
+        tokens = int((batch[2] != PAD).sum())
+        with autocast():
+            loss = loss_fn(batch) / tokens
+        loss.backward()
+        optimizers[name].step()
+
+    for name, (_, _, batches) in steps.items():
+        for batch in batches[:warmup]:
+            step(name, batch)
+    seconds = dict.fromkeys(steps, 0.0)
+    for _ in range(rounds):
+        for i in range(max(len(batches) for _, _, batches in steps.values())):
+            for name, (_, _, batches) in steps.items():
+                if i < len(batches):
+                    start = time.perf_counter()
+                    step(name, batches[i])
+                    seconds[name] += time.perf_counter() - start
+    return seconds
+
+
+def padding_fraction(batches: list[Batch]) -> float:
+    cells = sum(b[0].numel() + b[2].numel() for b in batches)
+    return 1 - sum(int((b[0] != PAD).sum() + (b[2] != PAD).sum()) for b in batches) / cells
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="2 batches, 1 round (about two minutes)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--max-tokens", type=int, default=4096, help="token budget per batch and side (padding included)")
+    p.add_argument("--batches", type=int, default=6, help="timed batches per round")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--compile", action="store_true", help="torch.compile mtrain's objective (as train.compile)")
+    p.add_argument("--amp", choices=["off", "bf16"], default="off",
+                   help="bf16 autocast for every model (CPUs with AMX/AVX512-BF16 run bf16 matmuls much faster)")
+    p.add_argument("--no-hf", action="store_true", help="skip Hugging Face Marian even if installed")
+    p.add_argument("--seed", type=int, default=1)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batches, args.rounds = 2, 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    cfg = ModelConfig(d_model=256, d_ff=1024, n_heads=4, n_encoder_layers=3, n_decoder_layers=3,
+                      vocab_size=8000, dropout=0.1)
+
+    src_lens, tgt_lens, source = sample_lengths(8000, args.seed)
+    bucketed = bucketed_batches(src_lens, tgt_lens, args.max_tokens, args.batches, cfg.vocab_size, args.seed)
+    unbucketed = random_batches(src_lens, tgt_lens, args.max_tokens, args.batches, cfg.vocab_size, args.seed)
+    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+    log(f"shape: d_model {cfg.d_model}, d_ff {cfg.d_ff}, {cfg.n_heads} heads, "
+        f"{cfg.n_encoder_layers}+{cfg.n_decoder_layers} layers, vocab {cfg.vocab_size}; "
+        f"{args.max_tokens}-token batches; lengths: {source}; threads {torch.get_num_threads()}")
+
+    peak_before = matmul_peak_gflops()
+    steps = {"mtrain": (*mtrain_step_fn(cfg, args.compile), bucketed),
+             "nn.Transformer": (*nn_step_fn(cfg), bucketed),
+             "nn.Transformer unbucketed": (*nn_step_fn(cfg), unbucketed)}
+    marian = None if args.no_hf else marian_step_fn(cfg)
+    if marian is not None:
+        steps["HF Marian"] = (*marian, bucketed)
+    seconds = time_models(steps, args.rounds, warmup=2 if args.compile else 1, amp=args.amp)
+    peak = max(peak_before, matmul_peak_gflops())
+
+    rows = {}
+    for name, (_, _, batches) in steps.items():
+        tokens = args.rounds * sum(int((b[2] != PAD).sum()) for b in batches)
+        flops = args.rounds * sum(train_flops(b, cfg, project_pads=name != "mtrain") for b in batches)
+        rows[name] = {"tok_s": tokens / seconds[name], "gflops": flops / seconds[name] / 1e9,
+                      "pad": padding_fraction(batches), "tokens_per_batch": tokens / args.rounds / len(batches)}
+
+    def tok_s(name: str) -> float | None:
+        return round(rows[name]["tok_s"], 1) if name in rows else None
+
+    result = {
+        "mtrain_tok_s": tok_s("mtrain"),
+        "nn_transformer_tok_s": tok_s("nn.Transformer"),
+        "nn_transformer_unbucketed_tok_s": tok_s("nn.Transformer unbucketed"),
+        "hf_marian_tok_s": tok_s("HF Marian"),
+        "mtrain_gflops": round(rows["mtrain"]["gflops"], 1),
+        "nn_transformer_gflops": round(rows["nn.Transformer"]["gflops"], 1),
+        "matmul_peak_gflops": round(peak, 1),
+        "mtrain_peak_fraction": round(rows["mtrain"]["gflops"] / peak, 3),
+        "speedup_vs_nn_transformer": round(rows["mtrain"]["tok_s"] / rows["nn.Transformer"]["tok_s"], 3),
+        "speedup_vs_nn_transformer_unbucketed":
+            round(rows["mtrain"]["tok_s"] / rows["nn.Transformer unbucketed"]["tok_s"], 3),
+        "padding_fraction_bucketed": round(rows["mtrain"]["pad"], 3),
+        "padding_fraction_unbucketed": round(rows["nn.Transformer unbucketed"]["pad"], 3),
+        "target_tokens_per_batch": round(rows["mtrain"]["tokens_per_batch"], 1),
+        "batches": args.batches, "rounds": args.rounds, "compile": args.compile, "amp": args.amp, "lengths": source,
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+        "shape": {"d_model": cfg.d_model, "d_ff": cfg.d_ff, "n_heads": cfg.n_heads, "layers": "3+3",
+                  "vocab_size": cfg.vocab_size, "max_tokens": args.max_tokens},
+    }
+    log(f"\n{'model':<28}{'tgt tok/s':>11}{'GFLOP/s':>10}{'of peak':>9}{'pad':>7}{'tgt tok/batch':>15}")
+    for name, row in rows.items():
+        log(f"{name:<28}{row['tok_s']:>11.0f}{row['gflops']:>10.1f}{row['gflops'] / peak:>9.1%}"
+            f"{row['pad']:>7.1%}{row['tokens_per_batch']:>15.0f}")
+    log(f"fp32 matmul peak (2048^3): {peak:.1f} GFLOP/s; mtrain / nn.Transformer (same batches): "
+        f"{result['speedup_vs_nn_transformer']:.2f}x, / nn.Transformer unbucketed: "
+        f"{result['speedup_vs_nn_transformer_unbucketed']:.2f}x")
+    if args.json:
+        print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
