@@ -510,7 +510,7 @@ class Run:
     def __init__(self, trainer: Trainer) -> None:
         self.tr = trainer
         self.metrics: MetricsLog | None = None
-        self.window_start = time.perf_counter()
+        self.started = self.window_start = time.perf_counter()
 
     def start(self) -> None:
         tr = self.tr
@@ -545,7 +545,8 @@ class Run:
         self.record({"event": "train", "step": self.tr.state.step, "epoch": self.tr.stream.epoch,
                      "loss": w["loss"] / max(1, w["tokens"]), "nll": nll, "ppl": math.exp(min(nll, 50.0)),
                      "lr": stats["lr"], "grad_norm": stats["grad_norm"], "tokens_per_s": w["tokens"] / max(elapsed, 1e-9),
-                     "nonfinite": self.tr.state.nonfinite_total})
+                     "nonfinite": self.tr.state.nonfinite_total,
+                     "elapsed_s": round(time.perf_counter() - self.started, 1)})  # since this process started
         self.tr.state.window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "steps": 0}
         self.window_start = time.perf_counter()
 
@@ -554,7 +555,9 @@ class Run:
         tr, s = self.tr, self.tr.state
         stop = False
         if tr.dist.is_main:
+            began = time.perf_counter()
             result = tr.validate()
+            result["valid_s"] = round(time.perf_counter() - began, 1)
             improved = result["bleu"] > s.best_bleu
             if improved:
                 s.best_bleu, s.best_step, s.bad_evals = result["bleu"], s.step, 0
@@ -569,8 +572,9 @@ class Run:
             stop = 0 < tr.tcfg.patience <= s.bad_evals
             if stop:
                 tr.log(f"early stopping: no BLEU gain in {s.bad_evals} validations (best {s.best_bleu:.2f} at step {s.best_step})")
+            self.window_start += time.perf_counter() - began  # tokens/s counts training time only
         s.last_eval_step = s.step
-        # Everyone learns rank 0's decision and its early-stopping counters.
+        # Only rank 0 keeps the early-stopping counters (it alone saves); everyone learns its decision.
         stop = dist_utils.broadcast_flag(stop, tr.dist, tr.device)
         return stop
 
