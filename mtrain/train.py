@@ -182,7 +182,7 @@ def forward_backward(objective: nn.Module, micro_batches: list[tuple[torch.Tenso
     of the whole update (all micro-batches, all ranks) makes accumulation equal one big batch.
     DDP averages gradients over ranks, so each rank's loss is scaled by world_size to get a sum.
     Returns this rank's (loss_sum, nll_sum)."""
-    loss_total, nll_total = 0.0, 0.0
+    totals = []
     for i, (src, tgt_in, tgt_out) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         sync = contextlib.nullcontext() if last or not hasattr(objective, "no_sync") else objective.no_sync()
@@ -193,8 +193,8 @@ def forward_backward(objective: nn.Module, micro_batches: list[tuple[torch.Tenso
                 loss_sum = loss_sum * float("nan")
             scaled = loss_sum * (world_size / total_tokens)
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
-        loss_total += loss_sum.item()
-        nll_total += nll_sum.item()
+        totals.append(torch.stack([loss_sum.detach(), nll_sum.detach()]))
+    loss_total, nll_total = torch.stack(totals).sum(0).tolist()  # one device sync per update
     return loss_total, nll_total
 
 
