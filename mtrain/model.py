@@ -27,9 +27,10 @@ def sinusoids(length: int, d_model: int) -> Tensor:
 def key_mask(ids: Tensor, pad_id: int) -> Tensor:
     """(B, S) ids -> (B, 1, 1, S) bool, True = may attend (SDPA's polarity).
 
-    Only keys are masked. A row that is all padding would mask every key, and SDPA's softmax of
-    an all -inf row is NaN; such a row attends to its own pads instead: finite, and no real
-    position ever reads it (it is masked as a key everywhere else)."""
+    Only keys are masked. A row that is all padding would mask every key, and a softmax over
+    nothing is NaN in some SDPA kernels (older PyTorch, some GPU backends; CPU in 2.13 gives 0);
+    such a row attends to its own pads instead: finite everywhere, and no real position reads
+    it (it is masked as a key everywhere else)."""
     keep = ids != pad_id
     keep = keep | ~keep.any(dim=-1, keepdim=True)
     return keep[:, None, None, :]

@@ -288,3 +288,15 @@ def test_dropout_is_active_in_training_only():
         torch.testing.assert_close(model(src, tgt), model(src, tgt))
         model.train()
         assert not torch.allclose(model(src, tgt), model(src, tgt))
+
+
+def test_runs_under_bf16_autocast_with_float32_parameters():
+    """Mixed precision (train.amp) keeps fp32 weights; the model must not assume one dtype."""
+    model = tiny()
+    src, tgt = padded([5, 2], 5), ids(2, 4, seed=10)
+    with torch.no_grad():
+        full = model(src, tgt)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = model(src, tgt)
+    assert low.dtype == torch.bfloat16 and torch.isfinite(low.float()).all()
+    assert (low.float() - full).abs().max().item() < 0.25  # bf16 keeps ~3 significant digits
