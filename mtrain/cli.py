@@ -126,13 +126,15 @@ def train(
     if out is None and not dry_run:
         raise MtrainError("train: --out is missing; pass a run folder (e.g. --out runs/quickstart)")
     import json
+    import os
 
     from mtrain.train import train as run_training
 
     summary = run_training(cfg, data_dir=data, run_dir=out, device=device, dry_run=dry_run)
     if dry_run:
         return
-    typer.echo(json.dumps(summary))
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, one summary (rank 0's)
+        typer.echo(json.dumps(summary))
     if summary.get("stopped") == "interrupted":
         raise typer.Exit(128 + int(summary.get("signal", 2)))  # 130 for SIGINT, 143 for SIGTERM
 
