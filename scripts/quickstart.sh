@@ -16,12 +16,19 @@ fi
 python -c "import torch" 2>/dev/null || python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
 python -m pip install -q -e .
 
+# A checkout that sits beside a shared corpus folder (as on CI) uses that copy.
+if [ ! -f data/multi30k/train.de ] && [ -f ../shared/corpora/multi30k/train.de ]; then
+    mkdir -p data/multi30k
+    cp ../shared/corpora/multi30k/*.de ../shared/corpora/multi30k/*.en data/multi30k/
+fi
 if [ -f data/multi30k/train.de ]; then
     source_args=(--data data/multi30k)
 else
     source_args=(--hf-dataset bentrevett/multi30k)
 fi
-[ -f "$TOK/meta.json" ] || mtrain tokenize "${source_args[@]}" --src de --tgt en --out "$TOK"
+[ -f "$TOK/meta.json" ] || mtrain tokenize --config configs/quickstart.yaml "${source_args[@]}" --src de --tgt en --out "$TOK"
 mtrain train --config configs/quickstart.yaml --data "$TOK" --out "$RUN"
-mtrain translate --checkpoint "$RUN/best.pt" --input "$TOK/test2016.src.txt" --output "$RUN/test2016.hyp"
+# The average of the last step checkpoints (train.average_last) scores above best.pt.
+CKPT="$RUN/averaged.pt"; [ -f "$CKPT" ] || CKPT="$RUN/best.pt"
+mtrain translate --checkpoint "$CKPT" --input "$TOK/test2016.src.txt" --output "$RUN/test2016.hyp"
 mtrain eval --hyp "$RUN/test2016.hyp" --ref "$TOK/test2016.tgt.txt"
