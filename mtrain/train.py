@@ -211,6 +211,7 @@ class TrainState:
     last_eval_step: int = 0
     nonfinite_run: int = 0  # consecutive skipped updates
     nonfinite_total: int = 0
+    finished: str = ""  # why the last run ended ("max_steps", "early_stopping") once finish() saved
     window: dict[str, float] = field(default_factory=lambda: {"loss": 0.0, "nll": 0.0, "tokens": 0, "steps": 0})
 
 
@@ -626,6 +627,7 @@ class Run:
         if s.last_eval_step != s.step:
             self.validate()
         # Always rewrite last.pt: the final validation changed best/early-stopping state.
+        s.finished = reason
         tr.save_last(with_step_file=not (tr.run_dir / f"step-{s.step}.pt").is_file())
         if tr.dist.is_main and tr.tcfg.average_last > 0:
             files = tr.step_files()[-tr.tcfg.average_last:]
@@ -680,22 +682,30 @@ def train(cfg: Config, data_dir: str | Path, run_dir: str | Path | None, device:
 def _run(trainer: Trainer) -> dict[str, Any]:
     run = Run(trainer)
     run.start()
-    s = trainer.state
-    if s.step >= trainer.tcfg.max_steps:
-        trainer.log(f"{trainer.run_dir / 'last.pt'} is already at step {s.step} >= train.max_steps="
-                    f"{trainer.tcfg.max_steps}; raise train.max_steps to train further")
-        return {"stopped": "done", "step": s.step, "best_bleu": s.best_bleu if s.best_step else None, "best_step": s.best_step}
+    s, t = trainer.state, trainer.tcfg
+    early_stopped = s.finished == "early_stopping" and 0 < t.patience <= s.bad_evals
+    if s.finished and (early_stopped or s.step >= t.max_steps):
+        trainer.log(f"{trainer.run_dir / 'last.pt'}: this run already ended at step {s.step} ({s.finished}); "
+                    "raise train.max_steps (or train.patience) to train further")
+        return _summary(trainer, "done", None)
+    s.finished = ""
     trainer.model.train()
     with StopSignal() as stop_signal:
-        reason = run.loop(stop_signal)
+        # A run killed during finish() resumes straight into it (step == max_steps, not finished).
+        reason = run.loop(stop_signal) if s.step < t.max_steps else "max_steps"
         if reason == "interrupted":
             run.plot()
             trainer.log(f"stopped at step {s.step}; {trainer.run_dir / 'last.pt'} saved; "
                         "re-run the same command to resume")
         else:
             run.finish(reason)
-    summary = {"stopped": reason, "step": s.step, "best_bleu": s.best_bleu if s.best_step else None, "best_step": s.best_step,
-               "nonfinite": s.nonfinite_total, "run_dir": str(trainer.run_dir)}
-    if stop_signal.signum is not None:
-        summary["signal"] = int(stop_signal.signum)
+    return _summary(trainer, reason, stop_signal.signum)
+
+
+def _summary(trainer: Trainer, reason: str, signum: int | None) -> dict[str, Any]:
+    s = trainer.state
+    summary = {"stopped": reason, "step": s.step, "best_bleu": s.best_bleu if s.best_step else None,
+               "best_step": s.best_step, "nonfinite": s.nonfinite_total, "run_dir": str(trainer.run_dir)}
+    if signum is not None:
+        summary["signal"] = int(signum)
     return summary

@@ -145,6 +145,21 @@ def test_early_stopping_and_step_files(copy_data, tmp_path):
     assert result["stopped"] == "early_stopping" and result["step"] == 2
     assert sorted(p.name for p in tmp_path.glob("step-*.pt")) == ["step-1.pt", "step-2.pt"]
     assert checkpoint.load(tmp_path / "averaged.pt")["averaged_from"][-1].endswith("step-2.pt")
+    again = run(copy_data, tmp_path, "train.max_steps=40", "train.eval_every=1", "train.patience=1",
+                "train.save_every=1", "train.keep_last=2", "train.average_last=2", "train.lr_scale=0")
+    assert again["stopped"] == "done" and again["step"] == 2
+
+
+def test_kill_during_finish_resumes_into_finish(copy_data, tmp_path):
+    """last.pt written at the final step, then a kill before averaging: the re-run finishes the job."""
+    args = ["train.max_steps=4", "train.save_every=2", "train.eval_every=2", "train.average_last=2"]
+    run(copy_data, tmp_path, *args)
+    last = checkpoint.load(tmp_path / "last.pt")
+    last["train_state"]["state"]["finished"] = ""  # as saved by the loop at step 4, before finish()
+    checkpoint.save_atomic(last, tmp_path / "last.pt")
+    (tmp_path / "averaged.pt").unlink()
+    result = run(copy_data, tmp_path, *args)
+    assert result["stopped"] == "max_steps" and (tmp_path / "averaged.pt").is_file()
 
 
 # ---------------------------------------------------------------- it learns
@@ -184,7 +199,7 @@ def test_cli_train_on_multi30k_slice(tokenized_slice, tmp_path):
     assert "train_state" not in ckpt
     # Re-running the finished command resumes, sees nothing to do, and says so.
     again = CliRunner().invoke(app, args)
-    assert again.exit_code == 0 and "resuming from" in again.output
+    assert again.exit_code == 0 and "resuming from" in again.output and "already ended at step 4" in again.output
 
 
 def test_cli_dry_run_and_print_config(tokenized_slice):
