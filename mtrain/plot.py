@@ -9,6 +9,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+# Wall-clock fields of metrics.jsonl records: the only ones that differ between two identical runs.
+TIME_FIELDS = frozenset({"tokens_per_s", "elapsed_s", "valid_s"})
+
 
 class MetricsLog:
     """Append-only JSON-lines log. On resume, events after the resumed step are dropped: they came

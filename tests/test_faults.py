@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.n_encoder_layers=1",
         "model.n_decoder_layers=1", "train.max_tokens=512", "train.warmup_steps=10", "train.log_every=1",
         "train.eval_max_sentences=4", "train.num_threads=1", "train.save_every=2", "train.eval_every=3"]
-TIME_FIELDS = {"tokens_per_s"}  # the only metrics that may differ between two identical runs
+from mtrain.plot import TIME_FIELDS  # the only metrics that may differ between two identical runs
 
 
 # ---------------------------------------------------------------- kill points (run in the child)
