@@ -327,6 +327,9 @@ class Trainer:
         if diffs:
             raise MtrainError(f"{path}: the model config differs from the run being resumed ({'; '.join(diffs)}); "
                               "use the original config, or a new --out folder for a new model")
+        if ckpt.get("tokenizer") != self.tokenizer.to_state():
+            raise MtrainError(f"{path}: the run was trained with another SentencePiece model than {self.data_dir}'s; "
+                              "pass the original --data folder, or a new --out folder")
 
     def _note_train_changes(self, stored: dict[str, Any]) -> None:
         current = to_dict(self.cfg)["train"]

@@ -105,6 +105,15 @@ def test_resume_with_other_model_config_fails(copy_data, tmp_path):
         run(copy_data, tmp_path, "train.max_steps=4", "model.d_model=64")
 
 
+def test_resume_with_other_tokenizer_fails(copy_data, tmp_path):
+    run(copy_data, tmp_path, "train.max_steps=2", "train.eval_every=2")
+    last = checkpoint.load(tmp_path / "last.pt")
+    last["tokenizer"] = {**last["tokenizer"], "src_model": b"another model"}
+    checkpoint.save_atomic(last, tmp_path / "last.pt")
+    with pytest.raises(MtrainError, match=r"last\.pt: the run was trained with another SentencePiece model"):
+        run(copy_data, tmp_path, "train.max_steps=4")
+
+
 def test_failed_checkpoint_write_keeps_previous_files(copy_data, tmp_path, monkeypatch):
     """Disk full during the second last.pt write: a half-written temp file, then OSError."""
     real_save, calls = torch.save, []
