@@ -593,8 +593,9 @@ class Run:
         tr, t = self.tr, self.tr.tcfg
         nan_steps = parse_steps(os.environ.get("MTRAIN_INJECT_NAN", ""))
         stop_at = int(os.environ.get("MTRAIN_STOP_AT_STEP", "0") or 0)
-        bar = tqdm(total=t.max_steps, initial=tr.state.step, unit="step", file=sys.stderr,
-                   dynamic_ncols=True, disable=not tr.dist.is_main)
+        # Redirected to a file (nohup, SLURM), redraw rarely instead of ten times a second.
+        bar = tqdm(total=t.max_steps, initial=tr.state.step, unit="step", file=sys.stderr, dynamic_ncols=True,
+                   mininterval=0.5 if sys.stderr.isatty() else 30.0, disable=not tr.dist.is_main)
         reason = "max_steps"
         try:
             while tr.state.step < t.max_steps:
