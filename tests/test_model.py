@@ -11,7 +11,7 @@ from torch import nn
 
 from mtrain.config import ModelConfig, load_config
 from mtrain.errors import MtrainError
-from mtrain.model import Transformer, key_mask, sinusoids
+from mtrain.model import Dropout, Transformer, key_mask, sinusoids
 
 ROOT = Path(__file__).resolve().parents[1]
 PAD = 0
@@ -300,3 +300,17 @@ def test_runs_under_bf16_autocast_with_float32_parameters():
             low = model(src, tgt)
     assert low.dtype == torch.bfloat16 and torch.isfinite(low.float()).all()
     assert (low.float() - full).abs().max().item() < 0.25  # bf16 keeps ~3 significant digits
+
+
+def test_cpu_dropout_drops_p_of_every_position_and_keeps_the_mean():
+    torch.manual_seed(0)
+    x = torch.ones(400_000, requires_grad=True)
+    y = Dropout(0.1).train()(x)
+    kept = 1 / (1 - 3277 / 32768)  # p rounded to 3277 / 2^15
+    assert torch.unique(y).tolist() == [0.0, pytest.approx(kept)]
+    for k in range(4):  # each of the four 15-bit uniforms cut from one 64-bit draw
+        assert (y[k::4] == 0).float().mean().item() == pytest.approx(0.1, abs=0.005)
+    assert y.mean().item() == pytest.approx(1.0, abs=0.005)
+    y.sum().backward()  # the gradient goes through the same mask
+    assert torch.equal(x.grad, y.detach())
+    assert torch.equal(Dropout(0.1).eval()(x), x)
