@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The Multi30k recipe, one command: venv -> tokenize -> train -> evaluate on test2016 -> report.
+#   scripts/recipe-multi30k.sh [de-en|en-de] [extra `mtrain train` options, e.g. --set train.num_threads=2]
+# Uses configs/multi30k-<dir>.yaml for tokenize AND train (the vocabulary is part of the config).
+# Re-running the same command resumes training where it stopped; a finished run is only re-scored.
+# Writes runs/multi30k-<dir>/{averaged.pt, test2016.hyp, results.json, bleu_vs_time.csv, bleu_vs_time.png}.
+# RUN=... and TOK=... override the run and tokenized-data folders; EVAL_LINES=N scores only the first
+# N test sentences (a smoke test of the script, not a result).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DIR=${1:-de-en}
+[ $# -gt 0 ] && shift
+case "$DIR" in
+    de-en) SRC=de TGT=en ;;
+    en-de) SRC=en TGT=de ;;
+    *) echo "usage: $0 [de-en|en-de] [mtrain train options]" >&2; exit 2 ;;
+esac
+CONFIG=configs/multi30k-$DIR.yaml
+TOK=${TOK:-data/multi30k-tok-$DIR}
+RUN=${RUN:-runs/multi30k-$DIR}
+
+if [ -z "${VIRTUAL_ENV:-}" ]; then
+    [ -d .venv ] || python3 -m venv .venv
+    . .venv/bin/activate
+fi
+# Keep a torch that is already installed (e.g. your CUDA build); otherwise the CPU 2.13 build.
+python -c "import torch" 2>/dev/null || python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
+python -m pip install -q -e .
+# sacremoses (Moses tokenizer in Python) for the lowercased tokenized BLEU; pinned in benchmarks/requirements.txt.
+python -c "import sacremoses" 2>/dev/null || python -m pip install -q "$(grep -E '^sacremoses' benchmarks/requirements.txt | cut -d'#' -f1 | xargs)"
+
+# A checkout that sits beside a shared corpus folder (as on CI) uses that copy.
+SHARED=../shared/corpora/multi30k
+if [ ! -f data/multi30k/train.de ] && [ -f $SHARED/train.de ]; then
+    mkdir -p data/multi30k
+    cp $SHARED/*.de $SHARED/*.en data/multi30k/
+fi
+if [ -f data/multi30k/train.de ]; then
+    source_args=(--data data/multi30k)
+else
+    source_args=(--hf-dataset bentrevett/multi30k)
+fi
+# The Moses-tokenized, lowercased references of the Multi30k repo (the papers' BLEU); optional.
+TOKREF=""
+for dir in data/multi30k/tok $SHARED/tok; do
+    if [ -f "$dir/test2016.lc.norm.tok.$TGT" ]; then TOKREF="$dir/test2016.lc.norm.tok.$TGT"; break; fi
+done
+
+[ -f "$TOK/meta.json" ] || mtrain tokenize --config "$CONFIG" "${source_args[@]}" --src $SRC --tgt $TGT --out "$TOK"
+mtrain train --config "$CONFIG" --data "$TOK" --out "$RUN" "$@"
+
+# The average of the last step checkpoints (train.average_last) scores above best.pt.
+CKPT="$RUN/averaged.pt"; [ -f "$CKPT" ] || CKPT="$RUN/best.pt"
+TEST_SRC="$TOK/test2016.src.txt" TEST_REF="$TOK/test2016.tgt.txt"
+if [ -n "${EVAL_LINES:-}" ]; then
+    mkdir -p "$RUN/eval-subset"
+    head -n "$EVAL_LINES" "$TEST_SRC" > "$RUN/eval-subset/src"; TEST_SRC="$RUN/eval-subset/src"
+    head -n "$EVAL_LINES" "$TEST_REF" > "$RUN/eval-subset/ref"; TEST_REF="$RUN/eval-subset/ref"
+    if [ -n "$TOKREF" ]; then head -n "$EVAL_LINES" "$TOKREF" > "$RUN/eval-subset/tokref"; TOKREF="$RUN/eval-subset/tokref"; fi
+fi
+echo "scoring $CKPT on test2016 (beam 5)" >&2
+mtrain eval --checkpoint "$CKPT" --src "$TEST_SRC" --ref "$TEST_REF" --beam 5 \
+    --output-hyp "$RUN/test2016.hyp" --json > "$RUN/test2016.sacrebleu.json"
+tok_args=()
+if [ -n "$TOKREF" ]; then
+    python scripts/eval_tok.py --lang $TGT --input "$RUN/test2016.hyp" --output "$RUN/test2016.hyp.lc.tok"
+    mtrain eval --hyp "$RUN/test2016.hyp.lc.tok" --ref "$TOKREF" --lowercase --tokenize none --json \
+        > "$RUN/test2016.tok-bleu.json"
+    tok_args=(--tok-bleu "$RUN/test2016.tok-bleu.json")
+else
+    echo "note: no tok/test2016.lc.norm.tok.$TGT (data/multi30k/tok or $SHARED/tok); skipping tokenized BLEU" >&2
+fi
+python scripts/recipe_report.py --run "$RUN" --sacrebleu "$RUN/test2016.sacrebleu.json" "${tok_args[@]}" \
+    --meta direction=$DIR --meta config=$CONFIG --meta checkpoint="$CKPT" --meta decode="beam 5, lenpen 0.6" \
+    --meta tok_ref="${TOKREF:-none}" --meta eval_lines="${EVAL_LINES:-all}"
+cat "$RUN/results.json"

@@ -1,0 +1,181 @@
+"""The Multi30k recipe's report: RUN/results.json (test2016 scores, training wall time, hardware)
+and the validation BLEU-against-wall-time curve (RUN/bleu_vs_time.csv and .png) from RUN/metrics.jsonl.
+
+    python scripts/recipe_report.py --run runs/multi30k-de-en --sacrebleu S.json --tok-bleu T.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+# The peer this curve is compared with (issue 7): JoeyNMT 2.3, same shape and data, 2 CPU cores,
+# greedy cased sacreBLEU on test2016 after 68 minutes of training.
+PEER = {"name": "JoeyNMT 2.3 (test2016, greedy)", "minutes": 68.0, "bleu": 32.5}
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """metrics.jsonl records; a torn last line (hard kill) is skipped."""
+    records = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def with_wall_time(records: list[dict[str, Any]]) -> list[tuple[float, dict[str, Any]]]:
+    """(seconds of training wall time so far, record) for each record, across resumed processes.
+
+    Train records carry elapsed_s, counted from the start of the process that wrote them; a
+    smaller value than the previous one means a resumed process, which continues from the sum of
+    the earlier processes' last values. Valid records carry only valid_s: they end at the last
+    train record's time (logged just before the validation, at the same step) plus valid_s.
+    The time between a killed process's last log line and the kill is not in the log, and is lost."""
+    out: list[tuple[float, dict[str, Any]]] = []
+    offset = last = 0.0
+    for record in records:
+        elapsed = record.get("elapsed_s")
+        if record.get("event") == "train" and isinstance(elapsed, (int, float)):
+            if elapsed < last:
+                offset += last
+            last = float(elapsed)
+            out.append((offset + last, record))
+        elif record.get("event") == "valid":
+            out.append((offset + last + float(record.get("valid_s") or 0.0), record))
+    return out
+
+
+def validation_curve(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per validation: step, wall_s, wall_min, valid BLEU/chrF/loss."""
+    rows = []
+    for wall, record in with_wall_time(records):
+        if record.get("event") == "valid":
+            rows.append({"step": record["step"], "wall_s": round(wall, 1), "wall_min": round(wall / 60, 2),
+                         "valid_bleu": record.get("bleu"), "valid_chrf": record.get("chrf"),
+                         "valid_loss": record.get("loss")})
+    return rows
+
+
+def train_wall_time(records: list[dict[str, Any]]) -> float:
+    """Training wall time in seconds (validations included) up to the last logged event."""
+    timed = with_wall_time(records)
+    return round(max((wall for wall, _ in timed), default=0.0), 1)
+
+
+def write_curve_csv(rows: list[dict[str, Any]], path: str | Path) -> None:
+    fields = ["step", "wall_s", "wall_min", "valid_bleu", "valid_chrf", "valid_loss"]
+    with open(path, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def plot_curve(rows: list[dict[str, Any]], path: str | Path, title: str, test_bleu: float | None = None) -> None:
+    """Valid BLEU (greedy) against minutes of training; the peer's point and the final test score."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot([r["wall_min"] for r in rows], [r["valid_bleu"] for r in rows], marker="o", ms=3,
+            label="mtrain: valid BLEU (greedy)")
+    ax.scatter([PEER["minutes"]], [PEER["bleu"]], marker="s", color="tab:red", zorder=3, label=PEER["name"])
+    ax.scatter([PEER["minutes"] / 2], [PEER["bleu"]], marker="x", color="tab:red", zorder=3,
+               label="target: the peer's BLEU in half its time")
+    if test_bleu is not None and rows:
+        ax.scatter([rows[-1]["wall_min"]], [test_bleu], marker="*", s=120, color="tab:green", zorder=3,
+                   label="mtrain: test2016, beam 5, averaged")
+    ax.set_xlabel("training wall time (minutes, validation included)")
+    ax.set_ylabel("cased sacreBLEU")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    tmp = Path(str(path) + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def hardware() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    info: dict[str, Any] = {"machine": platform.machine(), "processor": platform.processor() or None,
+                            "cpu_count": os.cpu_count(), "python": platform.python_version(),
+                            "platform": platform.platform()}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            names = [line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")]
+        if names:
+            info["cpu_model"] = names[0]
+    except OSError:
+        pass
+    try:
+        import torch
+
+        info.update(torch=torch.__version__, torch_threads=torch.get_num_threads(),
+                    cuda=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+    except ImportError:
+        pass
+    return info
+
+
+def build_results(run: Path, sacrebleu: dict[str, Any], tok_bleu: dict[str, Any] | None,
+                  records: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+    valid = [r for r in records if r.get("event") == "valid"]
+    steps = [r["step"] for r in records if "step" in r]
+    return {
+        **meta,
+        "bleu": sacrebleu.get("bleu"), "chrf": sacrebleu.get("chrf"), "ter": sacrebleu.get("ter"),
+        "signatures": sacrebleu.get("signatures"),
+        "tok_bleu_lc": tok_bleu.get("bleu") if tok_bleu else None,
+        "tok_bleu_lc_signature": tok_bleu.get("signatures", {}).get("bleu") if tok_bleu else None,
+        "train_wall_s": train_wall_time(records),
+        "train_steps": max(steps, default=0),
+        "best_valid_bleu": max((r["bleu"] for r in valid), default=None),
+        "validations": len(valid),
+        "hardware": hardware(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "run_dir": str(run),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run", type=Path, required=True, help="the run folder (holds metrics.jsonl)")
+    parser.add_argument("--sacrebleu", type=Path, required=True, help="`mtrain eval --json` output on raw test2016")
+    parser.add_argument("--tok-bleu", type=Path, help="`mtrain eval --json --lowercase --tokenize none` output")
+    parser.add_argument("--meta", action="append", default=[], help="KEY=VALUE added to results.json (repeatable)")
+    args = parser.parse_args(argv)
+    records = read_metrics(args.run / "metrics.jsonl")
+    sacrebleu = json.loads(args.sacrebleu.read_text(encoding="utf-8"))
+    tok = json.loads(args.tok_bleu.read_text(encoding="utf-8")) if args.tok_bleu and args.tok_bleu.is_file() else None
+    meta = dict(item.split("=", 1) for item in args.meta)
+    results = build_results(args.run, sacrebleu, tok, records, meta)
+    tmp = args.run / "results.json.tmp"
+    tmp.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, args.run / "results.json")
+    rows = validation_curve(records)
+    write_curve_csv(rows, args.run / "bleu_vs_time.csv")
+    if rows:
+        plot_curve(rows, args.run / "bleu_vs_time.png", f"Multi30k {meta.get('direction', '')}: BLEU vs wall time",
+                   results["bleu"])
+    tok_text = f"{results['tok_bleu_lc']:.2f}" if results["tok_bleu_lc"] is not None else "n/a"
+    print(f"test2016 cased sacreBLEU {results['bleu']:.2f}  chrF {results['chrf']:.2f}  TER {results['ter']:.2f}  "
+          f"lowercased tokenized BLEU {tok_text}", file=sys.stderr)
+    print(f"training: {results['train_steps']} updates in {results['train_wall_s'] / 60:.1f} min "
+          f"(best valid BLEU {results['best_valid_bleu']}); wrote {args.run / 'results.json'}, "
+          f"{args.run / 'bleu_vs_time.csv'}" + (f", {args.run / 'bleu_vs_time.png'}" if rows else ""), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
