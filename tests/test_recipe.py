@@ -1,0 +1,175 @@
+"""The Multi30k recipe: its configs resolve and dry-run on real data, the Moses lowercased
+tokenization matches the Multi30k repo's own, the report's wall-time arithmetic, the bench runner."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mtrain.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+DIRECTIONS = {"de-en": ("de", "en"), "en-de": ("en", "de")}
+
+
+def load_script(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+eval_tok = load_script(ROOT / "scripts" / "eval_tok.py", "eval_tok")
+report = load_script(ROOT / "scripts" / "recipe_report.py", "recipe_report")
+bench = load_script(ROOT / "benchmarks" / "__main__.py", "bench_main")
+
+
+def recipe(direction: str) -> Path:
+    return ROOT / "configs" / f"multi30k-{direction}.yaml"
+
+
+# ---------------------------------------------------------------- configs
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_recipe_config_resolves(direction):
+    cfg = load_config(recipe(direction))
+    m, t = cfg.model, cfg.train
+    assert (cfg.data.src, cfg.data.tgt) == DIRECTIONS[direction]
+    assert m.d_model % m.n_heads == 0 and m.d_model // m.n_heads == 64  # the paper's d_head
+    assert m.d_ff == 4 * m.d_model
+    assert cfg.tokenizer.joint and m.share_embeddings  # joint vocabulary -> three-way tying
+    assert t.warmup_steps < t.max_steps
+    # Checkpoints land on max_steps and the averaged window covers the end of the run.
+    assert t.max_steps % t.save_every == 0 and t.average_last * t.save_every < t.max_steps
+    # A train record is logged at every validation step (the BLEU-vs-time curve reads its elapsed_s).
+    assert t.eval_every % t.log_every == 0
+    assert cfg.decode.beam == 5  # the test2016 scores are beam 5
+
+
+def test_every_recipe_key_has_a_why_comment():
+    for direction in DIRECTIONS:
+        for line in recipe(direction).read_text(encoding="utf-8").splitlines():
+            if line.startswith("  ") and ":" in line:
+                assert "#" in line, f"{recipe(direction).name}: no comment on {line.strip()!r}"
+
+
+def test_recipes_differ_only_in_direction_and_vocabulary():
+    de_en, en_de = (yaml.safe_load(recipe(d).read_text()) for d in DIRECTIONS)
+    assert de_en["train"] == en_de["train"]
+    assert {k: v for k, v in en_de["model"].items() if k != "vocab_size"} == de_en["model"]
+
+
+@pytest.fixture(scope="module")
+def tokenized_en_de(multi30k_slice, tmp_path_factory):
+    from mtrain.data import tokenize_corpus
+
+    out = tmp_path_factory.mktemp("multi30k-tok-en-de")
+    cfg = load_config(recipe("en-de"), ["tokenizer.vocab_size=1000"])
+    tokenize_corpus(cfg, data_dir=multi30k_slice, out_dir=out, splits=["train", "valid", "test2016"])
+    return out
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_recipe_dry_run_on_real_data(direction, tokenized_slice, tokenized_en_de, capsys):
+    from mtrain.train import train
+
+    data_dir = tokenized_slice if direction == "de-en" else tokenized_en_de
+    meta = json.loads((data_dir / "meta.json").read_text())
+    assert (meta["src"], meta["tgt"]) == DIRECTIONS[direction]
+    cfg = load_config(recipe(direction))
+    summary = train(cfg, data_dir, None, device="cpu", dry_run=True)
+    d, ff, V, m = cfg.model.d_model, cfg.model.d_ff, 1000, cfg.model
+    # Hand count: one tied embedding; per layer attention 4(d*d + d), FFN 2*d*ff + ff + d, LayerNorms 2d each.
+    attention, ffn, norm = 4 * (d * d + d), 2 * d * ff + ff + d, 2 * d
+    expected = V * d + m.n_encoder_layers * (attention + ffn + 2 * norm) + m.n_decoder_layers * (2 * attention + ffn + 3 * norm)
+    assert summary["parameters"] == expected
+    assert summary["model"]["vocab_size"] == V  # from the data, not the config
+    assert summary["tokens_per_batch"]["max"] <= cfg.train.max_tokens
+    assert summary["train_sentences"] == 2000 and summary["valid_sentences"] == 100
+
+
+def test_recipe_script_rejects_an_unknown_direction():
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "recipe-multi30k.sh"), "fr-en"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "usage:" in proc.stderr
+
+
+# ---------------------------------------------------------------- Moses lowercased tokenization
+
+
+def test_eval_tok_english_by_hand():
+    pytest.importorskip("sacremoses")
+    # lowercase; normalize-punctuation -l en moves a comma inside closing quotes ("Rex", -> "Rex,");
+    # the tokenizer splits 's and n't the English way and XML-escapes quotes and apostrophes.
+    got = eval_tok.moses_lc_tokenize(['A man\'s dog, "Rex", isn\'t here.'], "en")
+    assert got == ["a man &apos;s dog , &quot; rex , &quot; isn &apos;t here ."]
+
+
+def test_eval_tok_german_by_hand():
+    pytest.importorskip("sacremoses")
+    # „ and “ normalize to ", which is escaped; German splits the apostrophe off both sides.
+    got = eval_tok.moses_lc_tokenize(["Zwei Männer („Hans“) geht's gut."], "de")
+    assert got == ["zwei männer ( &quot; hans &quot; ) geht &apos; s gut ."]
+
+
+def test_eval_tok_reproduces_the_multi30k_tok_files(multi30k_dir):
+    pytest.importorskip("sacremoses")
+    tok_dir = next((p for p in (multi30k_dir / "tok", ROOT.parent / "shared" / "corpora" / "multi30k" / "tok")
+                    if (p / "test2016.lc.norm.tok.en").is_file()), None)
+    if tok_dir is None:
+        pytest.skip("no tok/ folder beside the Multi30k copy")
+    for lang in ("en", "de"):
+        raw = (multi30k_dir / f"test2016.{lang}").read_text(encoding="utf-8").splitlines()
+        ref = (tok_dir / f"test2016.lc.norm.tok.{lang}").read_text(encoding="utf-8").splitlines()
+        assert eval_tok.moses_lc_tokenize(raw, lang) == ref
+
+
+def test_eval_tok_keeps_one_line_per_line():
+    assert eval_tok.read_lines("a\u2028b\r\nc\n") == ["a\u2028b", "c"]
+    assert eval_tok.read_lines("") == []
+
+
+# ---------------------------------------------------------------- report arithmetic
+
+def test_wall_time_adds_resumed_processes_and_validations():
+    records = [
+        {"event": "train", "step": 50, "elapsed_s": 100.0},
+        {"event": "valid", "step": 50, "valid_s": 20.0, "bleu": 10.0},
+        {"event": "train", "step": 100, "elapsed_s": 250.0},  # includes the validation above
+        # killed; the resumed process counts from 0 again
+        {"event": "train", "step": 150, "elapsed_s": 80.0},
+        {"event": "valid", "step": 150, "valid_s": 10.0, "bleu": 20.0},
+    ]
+    curve = report.validation_curve(records)
+    assert [(r["step"], r["wall_s"], r["valid_bleu"]) for r in curve] == [(50, 120.0, 10.0), (150, 340.0, 20.0)]
+    assert report.train_wall_time(records) == 340.0
+    assert report.train_wall_time([]) == 0.0
+
+
+def test_report_writes_results_and_curve(tmp_path):
+    records = [{"event": "train", "step": 10, "elapsed_s": 30.0},
+               {"event": "valid", "step": 10, "valid_s": 5.0, "bleu": 12.5, "chrf": 40.0, "loss": 3.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"torn', encoding="utf-8")
+    (tmp_path / "s.json").write_text(json.dumps({"bleu": 30.0, "chrf": 55.0, "ter": 50.0, "signatures": {}}))
+    (tmp_path / "t.json").write_text(json.dumps({"bleu": 33.0, "signatures": {"bleu": "case:lc|tok:none"}}))
+    report.main(["--run", str(tmp_path), "--sacrebleu", str(tmp_path / "s.json"), "--tok-bleu", str(tmp_path / "t.json"),
+                 "--meta", "direction=de-en"])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert (results["bleu"], results["tok_bleu_lc"], results["train_wall_s"]) == (30.0, 33.0, 35.0)
+    assert results["direction"] == "de-en" and results["best_valid_bleu"] == 12.5
+    assert (tmp_path / "bleu_vs_time.csv").read_text().splitlines()[1].startswith("10,35.0,")
+    assert (tmp_path / "bleu_vs_time.png").stat().st_size > 0
+
+
+# ---------------------------------------------------------------- benchmark runner
+
+def test_bench_runner_reads_the_last_json_line_and_tabulates():
+    assert bench.last_json_object('note\n{"a": 1}\n{"mtrain_tok_s": 2.5}\n') == {"mtrain_tok_s": 2.5}
+    assert bench.last_json_object("no json here\n") is None
+    text = bench.table([{"name": "train_step", "wall_s": 3.0, "result": {"mtrain_tok_s": 1234.5}},
+                        {"name": "decode", "wall_s": 1.0, "result": None, "error": "exit status 1"}])
+    assert "1,234.5" in text and "FAILED: exit status 1" in text
