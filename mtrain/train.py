@@ -34,24 +34,12 @@ from mtrain.errors import MtrainError
 from mtrain.loss import label_smoothed_loss
 from mtrain.plot import MetricsLog, plot_metrics
 from mtrain.schedule import inverse_sqrt_lr
+from mtrain.translate import resolve_device
 
 N_SAMPLES = 3  # sample translations shown at each validation
 
 
 # ---------------------------------------------------------------- small pure helpers
-
-def resolve_device(device: str) -> torch.device:
-    """auto -> cuda when available, else cpu; anything else as given (cpu, cuda, cuda:1)."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError:
-        raise MtrainError(f"--device {device!r}: unknown device; use auto, cpu, cuda or cuda:N") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise MtrainError(f"--device {device}: no CUDA device is available; use --device cpu")
-    return resolved
-
 
 def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
     """train.amp -> autocast dtype: auto = bf16 on GPUs that support it, fp16 on older GPUs, off on CPU."""
