@@ -4,6 +4,10 @@
 # Uses configs/multi30k-<dir>.yaml for tokenize AND train (the vocabulary is part of the config).
 # Re-running the same command resumes training where it stopped; a finished run is only re-scored.
 # Writes runs/multi30k-<dir>/{averaged.pt, test2016.hyp, results.json, bleu_vs_time.csv, bleu_vs_time.png}.
+# TRAIN_HOURS (default 2.75) caps training wall time over all resumed invocations together: at the
+# cap training stops (SIGTERM: the step finishes, last.pt is saved), the last train.average_last step
+# checkpoints are averaged, and the run is scored; re-running after that only re-scores.
+# On a quiet 2-core machine max_steps ends first (~2.4 h, see docs/recipe.md).
 # RUN=... and TOK=... override the run and tokenized-data folders; EVAL_LINES=N scores only the first
 # N test sentences (a smoke test of the script, not a result).
 set -euo pipefail
@@ -47,7 +51,27 @@ for dir in data/multi30k/tok $SHARED/tok; do
 done
 
 [ -f "$TOK/meta.json" ] || mtrain tokenize --config "$CONFIG" "${source_args[@]}" --src $SRC --tgt $TGT --out "$TOK"
-mtrain train --config "$CONFIG" --data "$TOK" --out "$RUN" "$@"
+BUDGET=$(python -c "print(int(float('${TRAIN_HOURS:-2.75}') * 3600))")
+USED=$(python scripts/recipe_report.py --run "$RUN" --elapsed)
+LEFT=$((BUDGET - USED))
+# Less than 5 minutes left is not worth a restart (the log misses a few seconds per process anyway).
+if [ "$LEFT" -lt 300 ] && [ -f "$RUN/metrics.jsonl" ]; then
+    echo "training budget of ${TRAIN_HOURS:-2.75} h used up (${USED} s logged); scoring only (raise TRAIN_HOURS to train on)" >&2
+else
+    rc=0
+    timeout --signal=TERM --kill-after=600 "$LEFT" mtrain train --config "$CONFIG" --data "$TOK" --out "$RUN" "$@" || rc=$?
+    if [ "$rc" -eq 124 ]; then
+        echo "training stopped at the ${TRAIN_HOURS:-2.75} h budget" >&2
+    elif [ "$rc" -ne 0 ]; then
+        exit "$rc"
+    fi
+fi
+if [ ! -f "$RUN/averaged.pt" ] || [ "$RUN/last.pt" -nt "$RUN/averaged.pt" ]; then
+    # Stopped by the budget (or a signal) before train averaged: average the last step checkpoints here.
+    K=$(python -c "from mtrain.config import load_config; print(load_config('$CONFIG').train.average_last)")
+    mapfile -t STEPS < <(ls "$RUN"/step-*.pt 2>/dev/null | sort -V | tail -n "$K")
+    if [ "${#STEPS[@]}" -gt 0 ]; then mtrain average "${STEPS[@]}" --out "$RUN/averaged.pt"; fi
+fi
 
 # The average of the last step checkpoints (train.average_last) scores above best.pt.
 CKPT="$RUN/averaged.pt"; [ -f "$CKPT" ] || CKPT="$RUN/best.pt"
@@ -72,5 +96,5 @@ else
 fi
 python scripts/recipe_report.py --run "$RUN" --sacrebleu "$RUN/test2016.sacrebleu.json" "${tok_args[@]}" \
     --meta direction=$DIR --meta config=$CONFIG --meta checkpoint="$CKPT" --meta decode="beam 5, lenpen 0.6" \
-    --meta tok_ref="${TOKREF:-none}" --meta eval_lines="${EVAL_LINES:-all}"
+    --meta tok_ref="${TOKREF:-none}" --meta eval_lines="${EVAL_LINES:-all}" --meta train_hours_cap="${TRAIN_HOURS:-2.75}"
 cat "$RUN/results.json"

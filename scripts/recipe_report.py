@@ -152,11 +152,18 @@ def build_results(run: Path, sacrebleu: dict[str, Any], tok_bleu: dict[str, Any]
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", type=Path, required=True, help="the run folder (holds metrics.jsonl)")
-    parser.add_argument("--sacrebleu", type=Path, required=True, help="`mtrain eval --json` output on raw test2016")
+    parser.add_argument("--elapsed", action="store_true", help="only print the training wall seconds so far (0 before a run)")
+    parser.add_argument("--sacrebleu", type=Path, help="`mtrain eval --json` output on raw test2016")
     parser.add_argument("--tok-bleu", type=Path, help="`mtrain eval --json --lowercase --tokenize none` output")
     parser.add_argument("--meta", action="append", default=[], help="KEY=VALUE added to results.json (repeatable)")
     args = parser.parse_args(argv)
-    records = read_metrics(args.run / "metrics.jsonl")
+    metrics = args.run / "metrics.jsonl"
+    if args.elapsed:
+        print(int(train_wall_time(read_metrics(metrics))) if metrics.is_file() else 0)
+        return
+    if args.sacrebleu is None:
+        parser.error("--sacrebleu is required (unless --elapsed)")
+    records = read_metrics(metrics)
     sacrebleu = json.loads(args.sacrebleu.read_text(encoding="utf-8"))
     tok = json.loads(args.tok_bleu.read_text(encoding="utf-8")) if args.tok_bleu and args.tok_bleu.is_file() else None
     meta = dict(item.split("=", 1) for item in args.meta)
