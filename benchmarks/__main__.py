@@ -160,9 +160,10 @@ def main(argv: list[str] | None = None) -> int:
             extra = [*extra, "--threads", str(args.threads)]
         if args.main_job and name == "e2e":
             extra = [*extra, "--main-job"]
+        before = environment()  # the load average before the run: others' processes skew the numbers
         record = run_one(name, extra, timeout)
         record.update(mode="smoke" if args.smoke else "quick" if args.quick else "full", started=started,
-                      environment=environment())
+                      environment=before, load_avg_1min_after=environment().get("load_avg_1min"))
         path = save(record, out)
         print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}", file=sys.stderr)
         records.append(record)
