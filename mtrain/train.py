@@ -110,6 +110,16 @@ def model_config_for_data(cfg: Config, tokenizer: Any) -> Config:
     })
 
 
+def check_direction(cfg: Config, meta: dict[str, Any], data_dir: Path) -> None:
+    """An en->de config on de->en data would silently train the other direction: refuse it."""
+    want, have = (cfg.data.src, cfg.data.tgt), (meta.get("src"), meta.get("tgt"))
+    if want != have:
+        raise MtrainError(
+            f"{data_dir}: tokenized as {have[0]}->{have[1]} but the config says data.src={want[0]} "
+            f"data.tgt={want[1]}; pass --set data.src={have[0]} --set data.tgt={have[1]} or re-tokenize with this config"
+        )
+
+
 # ---------------------------------------------------------------- data order
 
 class BatchStream:
@@ -240,6 +250,7 @@ class Trainer:
         from mtrain import data
 
         self.data_dir, self.run_dir, self.device, self.dist = Path(data_dir), Path(run_dir), device, dist
+        check_direction(cfg, data.load_meta(data_dir), self.data_dir)
         self.tokenizer = data.load_tokenizer(data_dir)
         self.stats = data.load_stats(data_dir)
         self.cfg = model_config_for_data(cfg, self.tokenizer)

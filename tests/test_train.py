@@ -260,3 +260,14 @@ def test_sigterm_saves_and_resume_matches_uninterrupted(copy_data, tmp_path):
     run(copy_data, tmp_path / "whole", *args)
     a, b = weights(tmp_path / "whole" / "last.pt"), weights(tmp_path / "cut" / "last.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_config_direction_must_match_the_tokenized_data(tokenized_slice, tmp_path):
+    """The slice is tokenized de->en; an en->de config must not silently train de->en."""
+    from mtrain.config import load_config
+    from mtrain.errors import MtrainError
+    from mtrain.train import train
+
+    cfg = load_config(None, ["data.src=en", "data.tgt=de", "train.max_steps=1"])
+    with pytest.raises(MtrainError, match="tokenized as de->en"):
+        train(cfg, tokenized_slice, tmp_path / "run", device="cpu")
