@@ -28,7 +28,7 @@ else
 fi
 [ -f "$TOK/meta.json" ] || mtrain tokenize --config configs/quickstart.yaml "${source_args[@]}" --src de --tgt en --out "$TOK"
 mtrain train --config configs/quickstart.yaml --data "$TOK" --out "$RUN"
-# The average of the last step checkpoints (train.average_last) scores above best.pt.
+# Score the average of the last step checkpoints (train.average_last), as the paper did.
 CKPT="$RUN/averaged.pt"; [ -f "$CKPT" ] || CKPT="$RUN/best.pt"
 mtrain translate --checkpoint "$CKPT" --input "$TOK/test2016.src.txt" --output "$RUN/test2016.hyp"
 mtrain eval --hyp "$RUN/test2016.hyp" --ref "$TOK/test2016.tgt.txt"
