@@ -49,9 +49,12 @@ class SelfAttention(nn.Module):
     def forward(self, x: Tensor, mask: Tensor | None = None, is_causal: bool = False,
                 cache: LayerCache | None = None) -> Tensor:
         B, T, D = x.shape
-        # (B, T, 3, H, d_head) -> three (B, H, T, d_head) views, no copy
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
-        if cache is not None:
+        G = 1 if cache is None else cache.group  # beam search: one source's G rows side by side
+        # (B/G, G*T, 3, H, d_head) -> three (B/G, H, G*T, d_head) views, no copy
+        q, k, v = self.qkv(x).view(B // G, G * T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
+        if cache is not None and G > 1:
+            k, v, mask = cache.append_beams(k, v)
+        elif cache is not None:
             k, v = cache.append_self(k, v)
         p = self.attention_dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
@@ -159,10 +162,17 @@ class DecoderLayer(nn.Module):
 
 class LayerCache:
     """One decoder layer's cached keys and values, each (B, H, length, d_head); cross-attention
-    ones are per source row, (B / group, H, S, d_head)."""
+    ones are per source row, (B / group, H, S, d_head).
+
+    With group G > 1 (beam search) self-attention K/V are never reordered: they are kept per
+    source row, (B / G, H, G * capacity, d_head), where the key of beam g at step s sits at
+    s * G + g, and each row attends through `beam_mask` to the slots of its own ancestors. A beam
+    reorder then rewrites a small ancestry table instead of copying every layer's K/V."""
 
     def __init__(self, group: int = 1) -> None:
         self.group = group
+        self.length = 0  # group > 1: steps stored in self_k/self_v
+        self.beam_mask: Tensor | None = None  # group > 1: (B / G, 1, G, G * steps), set by KVCache
         self.self_k: Tensor | None = None
         self.self_v: Tensor | None = None
         self.cross_k: Tensor | None = None
@@ -179,11 +189,33 @@ class LayerCache:
         self.self_k, self.self_v, self.order = k, v, None
         return k, v
 
+    def append_beams(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """group > 1: store this step's (B / G, H, G, d_head) keys/values in place; return the
+        keys/values of every step so far and the ancestry mask to attend with."""
+        G, start = self.group, self.length * self.group
+        if self.self_k is None or self.self_k.size(2) < start + G:  # grow by doubling (rarely)
+            steps = max(32, 2 * self.length)
+            self.self_k = _grow(self.self_k, k, steps * G, start)
+            self.self_v = _grow(self.self_v, v, steps * G, start)
+        self.self_k[:, :, start : start + G] = k
+        self.self_v[:, :, start : start + G] = v
+        self.length += 1
+        end = start + G
+        return self.self_k[:, :, :end], self.self_v[:, :, :end], self.beam_mask
+
     def reorder_self(self, index: Tensor) -> None:
         self.order = index if self.order is None else self.order.index_select(0, index)
 
     def tensors(self) -> dict[str, Tensor]:
         return {name: t for name, t in vars(self).items() if isinstance(t, Tensor)}
+
+
+def _grow(old: Tensor | None, like: Tensor, capacity: int, filled: int) -> Tensor:
+    """A (B, H, capacity, d_head) buffer holding the first `filled` positions of old."""
+    out = like.new_empty(like.shape[0], like.shape[1], capacity, like.shape[3])
+    if old is not None:
+        out[:, :, :filled] = old[:, :, :filled]
+    return out
 
 
 def _reorder_cat(old: Tensor, new: Tensor, order: Tensor | None) -> Tensor:
@@ -210,6 +242,23 @@ class KVCache:
         self.layers = [LayerCache(group) for _ in range(n_layers)]
         self.length = 0
         self.src_mask: Tensor | None = None  # (B, 1, 1, S) key mask, fixed on the first call
+        # group > 1: ancestry[r, s] = the beam (0..G-1) within its source of row r's ancestor at step s
+        self.ancestry: Tensor | None = None
+
+    def beam_step(self, rows: int, device: torch.device) -> None:
+        """group > 1, before one new token per row: record each row as its own ancestor at this
+        step and give every layer the mask (rows / G, 1, G, G * steps) of its ancestors' slots."""
+        G, t = self.group, self.length
+        if self.ancestry is None or self.ancestry.size(1) == t:
+            grown = torch.empty(rows, max(32, 2 * t), dtype=torch.long, device=device)
+            if self.ancestry is not None:
+                grown[:, :t] = self.ancestry
+            self.ancestry = grown
+        beams = torch.arange(G, device=device)
+        self.ancestry[:, t] = beams.repeat(rows // G)
+        mask = (self.ancestry[:, : t + 1, None] == beams).view(rows // G, 1, G, (t + 1) * G)
+        for layer in self.layers:
+            layer.beam_mask = mask
 
     def reorder(self, index: Tensor, cross: bool = True) -> None:
         """Keep/duplicate/permute batch rows (beam search): row i becomes old row index[i].
@@ -219,6 +268,16 @@ class KVCache:
         exact when index only moves rows among rows of one source (beams of one sentence), and it
         saves copying it at every beam-search step."""
         source = index[:: self.group] // self.group if self.group > 1 else index
+        if self.group > 1:  # self-attention K/V stay where they are; only the ancestry moves
+            if self.ancestry is not None:
+                self.ancestry = self.ancestry.index_select(0, index)
+            for layer in self.layers:
+                for name in ("self_k", "self_v", "cross_k", "cross_v"):
+                    if cross and getattr(layer, name) is not None:
+                        setattr(layer, name, getattr(layer, name).index_select(0, source))
+            if cross and self.src_mask is not None:
+                self.src_mask = self.src_mask.index_select(0, source)
+            return
         for layer in self.layers:
             layer.reorder_self(index)
             for name in ("cross_k", "cross_v"):
@@ -307,6 +366,10 @@ class Transformer(nn.Module):
                 cache.src_mask = key_mask(src, self.cfg.pad_id)
             src_mask = cache.src_mask
         self_mask, is_causal = causal_mask(start, t, tgt.device)
+        if cache is not None and cache.group > 1:
+            if t != 1:
+                raise ValueError(f"a beam-search cache (group={cache.group}) takes one token per call, got {t}")
+            cache.beam_step(tgt.shape[0], tgt.device)
         x = self.embed(tgt, self.tgt_embed, start)
         for i, layer in enumerate(self.decoder):
             x = layer(x, memory, src_mask, self_mask, is_causal, cache=None if cache is None else cache.layers[i])

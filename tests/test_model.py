@@ -190,6 +190,32 @@ def test_cached_decoding_equals_full_forward_including_reorder_and_multi_token_s
         torch.testing.assert_close(torch.cat(steps[-2:], 1), model(src, tgt)[:, 5:], atol=1e-5, rtol=0)
 
 
+def test_beam_cache_equals_full_forward_through_beam_moves_and_dropped_sources():
+    """group=2: two target rows per source; K/V stay in place and an ancestry mask picks each
+    row's prefix, so after moving beams and dropping a source every row must still see exactly
+    its own prefix (the full forward of that prefix is the reference)."""
+    model = tiny()
+    src, G = padded([6, 3, 5], 6), 2
+    tgt = ids(6, 6, seed=11)  # row r's tokens; rows 2b, 2b+1 belong to source b
+    with torch.no_grad():
+        memory, cache = model.encode(src), model.new_cache(group=G)
+        prefix = tgt[:, :0]
+        moves = {2: (torch.tensor([1, 1, 2, 2, 5, 4]), False),  # duplicate / swap within sources
+                 4: (torch.tensor([4, 5, 0, 1]), True)}  # drop source 1, swap the other two
+        for step in range(6):
+            if step in moves:
+                index, cross = moves[step]
+                cache.reorder(index, cross=cross)
+                if cross:
+                    memory, src = memory[index[::G] // G], src[index[::G] // G]
+                prefix = prefix[index]
+            new = tgt[: prefix.shape[0], step : step + 1]  # rows that share a prefix now part
+            prefix = torch.cat([prefix, new], 1)
+            got = model.decode(new, memory, src, cache)[:, -1]
+            full = model(src.repeat_interleave(G, 0), prefix)[:, -1]
+            torch.testing.assert_close(got, full, atol=1e-5, rtol=0)
+
+
 def test_positions_extend_past_max_len():
     model = tiny(max_len=4)
     src, tgt = ids(1, 9), ids(1, 10, seed=9)
