@@ -16,20 +16,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mtrain.plot import read_metrics  # the one reader of metrics.jsonl (skips a torn last line)
+
 # The peer this curve is compared with (issue 7): JoeyNMT 2.3, same shape and data, 2 CPU cores,
 # greedy cased sacreBLEU on test2016 after 68 minutes of training.
 PEER = {"name": "JoeyNMT 2.3 (test2016, greedy)", "minutes": 68.0, "bleu": 32.5}
-
-
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """metrics.jsonl records; a torn last line (hard kill) is skipped."""
-    records = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
 
 
 def with_wall_time(records: list[dict[str, Any]]) -> list[tuple[float, dict[str, Any]]]:
