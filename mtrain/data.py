@@ -14,6 +14,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from mtrain.atomic import atomic_text
 from mtrain.config import Config
 from mtrain.errors import MtrainError
 from mtrain.tokenizer import BOS_ID, EOS_ID, MODEL_TYPES, PAD_ID, SPECIAL_IDS, Tokenizer
@@ -386,9 +387,8 @@ def _meta(cfg: Config, tok: Tokenizer, splits: list[str], source: str) -> dict[s
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    with atomic_text(path) as handle:
+        handle.write(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
 
 # ----------------------------------------------------------------------------------------------

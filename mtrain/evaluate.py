@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
+from mtrain.atomic import atomic_text
 from mtrain.errors import MtrainError
 
 # Leftovers of a missing detokenization: the SentencePiece word marker, its rendering of <unk>
@@ -143,16 +142,8 @@ def worst_sentences(hyps: Sequence[str], refs: Sequence[Sequence[str]], n: int, 
 
 def write_lines_atomic(lines: Sequence[str], path: str | Path) -> None:
     """Write lines to a temp file next to `path`, then rename: no half-written output on a crash."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
-            handle.writelines(line + "\n" for line in lines)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_text(path) as handle:
+        handle.writelines(line + "\n" for line in lines)
 
 
 def _translate(checkpoint: Path, lines: list[str], decode, device: str) -> list[str]:

@@ -9,6 +9,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from mtrain.atomic import atomic_text
+
 # Wall-clock fields of metrics.jsonl records: the only ones that differ between two identical runs.
 TIME_FIELDS = frozenset({"tokens_per_s", "elapsed_s", "valid_s"})
 
@@ -25,11 +27,9 @@ class MetricsLog:
         self._rewrite()
 
     def _rewrite(self) -> None:
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as handle:
+        with atomic_text(self.path) as handle:
             for record in self.records:
                 handle.write(json.dumps(record) + "\n")
-        os.replace(tmp, self.path)
 
     def write(self, record: dict[str, Any]) -> None:
         self.records.append(record)

@@ -29,6 +29,7 @@ from torch import nn
 
 from mtrain import checkpoint
 from mtrain import distributed as dist_utils
+from mtrain.atomic import atomic_text
 from mtrain.config import Config, replace, to_dict, to_yaml
 from mtrain.errors import MtrainError
 from mtrain.loss import label_smoothed_loss
@@ -523,9 +524,8 @@ class Run:
             # A write killed by kill -9 or a crash leaves its temp file (a checkpoint's size each time).
             for stale in tr.run_dir.glob(".*.pt.*.tmp"):
                 stale.unlink(missing_ok=True)
-            tmp = tr.run_dir / "config.yaml.tmp"  # temp + rename: a kill never leaves half a file
-            tmp.write_text(to_yaml(tr.cfg), encoding="utf-8")
-            os.replace(tmp, tr.run_dir / "config.yaml")
+            with atomic_text(tr.run_dir / "config.yaml") as handle:  # a kill never leaves half a file
+                handle.write(to_yaml(tr.cfg))
             self.metrics = MetricsLog(tr.run_dir / "metrics.jsonl", resume_step=tr.state.step if resumed else None)
         if not resumed:
             tr.log(f"training {sum(p.numel() for p in tr.model.parameters()):,} parameters on {tr.device} "

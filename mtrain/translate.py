@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 from typing import IO, Any, Iterator
 
 import torch
 
+from mtrain.atomic import atomic_text
 from mtrain.config import DecodeConfig
 from mtrain.errors import MtrainError
 from mtrain.search import beam_search, greedy_search
@@ -185,16 +184,8 @@ def atomic_output(output: str) -> Iterator[IO[str]]:
     if output == "-":
         yield sys.stdout
         return
-    path = Path(output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as sink:
-            yield sink
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_text(output) as sink:
+        yield sink
 
 
 def translate_file(checkpoint: str | Path, input: str, output: str, decode: DecodeConfig, device: str = "auto") -> None:
