@@ -33,14 +33,17 @@ Pairs = tuple[list[str], list[str]]
 # ----------------------------------------------------------------------------------------------
 # Reading, with the checks that must pass before any work
 # ----------------------------------------------------------------------------------------------
-def read_lines(path: Path) -> list[str]:
+def read_lines(path: str | Path) -> list[str]:
     """Lines of a UTF-8 text file (or .gz), without a BOM, line ends or CR; invalid UTF-8 is a one-line error.
 
     Lines are split on "\\n" only: str.splitlines() would also split on U+2028, U+0085 and friends,
     which occur inside real sentences and would break the line alignment of the two sides.
     """
+    path = Path(path)
     try:
         raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    except FileNotFoundError:
+        raise MtrainError(f"{path}: file not found; check the path") from None
     except (OSError, EOFError, gzip.BadGzipFile) as err:
         raise MtrainError(f"{path}: cannot read ({err}); check that the file is intact") from None
     try:

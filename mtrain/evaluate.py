@@ -22,27 +22,9 @@ MARKERS = re.compile(r"▁|⁇|<unk>|<s>|</s>|<pad>")
 def read_lines(path: str | Path) -> list[str]:
     """Read a UTF-8 text file as lines, with trailing whitespace removed exactly as sacrebleu's
     CLI does (so file-based scores match it). Invalid UTF-8 names the file and line."""
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise MtrainError(f"{path}: file not found; check the path") from None
-    except OSError as err:
-        raise MtrainError(f"{path}: cannot read ({err.strerror}); check the path and permissions") from None
-    if data.startswith(b"\xef\xbb\xbf"):  # a BOM marks the encoding, it is not text: it would cost line 1 its first word
-        data = data[3:]
-    raw = data.split(b"\n")
-    if raw[-1] == b"":  # the newline ending the last line starts no new line
-        raw.pop()
-    lines = []
-    for number, chunk in enumerate(raw, 1):
-        try:
-            lines.append(chunk.decode("utf-8").rstrip())
-        except UnicodeDecodeError as err:
-            raise MtrainError(
-                f"{path}:{number}: invalid UTF-8 (byte {err.start + 1} of the line); re-encode the file as UTF-8, e.g. iconv -f latin1 -t utf-8"
-            ) from None
-    return lines
+    from mtrain.data import read_lines as read_text_lines  # BOM, CRLF, UTF-8 errors with line numbers
+
+    return [line.rstrip() for line in read_text_lines(path)]
 
 
 def check_line_counts(hyps: Sequence[str], refs: Sequence[Sequence[str]], hyp_name: str = "hypotheses",
