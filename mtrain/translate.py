@@ -63,16 +63,13 @@ def length_slope(decode: DecodeConfig, stats: dict[str, Any] | None) -> float:
 
 
 def make_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Indices sorted by length (longest first), grouped so that each batch's padded source
-    (sentences x (longest + EOS)) stays within max_tokens; a longer sentence goes alone."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches: list[list[int]] = []
-    for i in order:
-        if batches and (len(batches[-1]) + 1) * (lengths[batches[-1][0]] + 1) <= max_tokens:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
+    """Indices grouped by length, longest batch first, so that each batch's padded source
+    (sentences x (longest + EOS)) stays within max_tokens; a longer sentence goes alone.
+    The training batcher's rule, unshuffled: decoding needs no (seed, epoch) order."""
+    from mtrain import data
+
+    batches = data.make_batches(lengths, lengths, max_tokens, seed=0, epoch=0, shuffle=False, allow_oversize=True)
+    return [batch[::-1].tolist() for batch in reversed(batches)]
 
 
 def _pad(seqs: list[list[int]], device: torch.device) -> torch.Tensor:
