@@ -260,6 +260,28 @@ class KVCache:
         for layer in self.layers:
             layer.beam_mask = mask
 
+    def expand_beams(self, group: int) -> KVCache:
+        """This plain cache after one step with one row per source -> a group-`group` beam cache
+        in which each source has `group` identical beams (rows r * group .. r * group + group - 1).
+        Beam search runs its first step, where every beam is the same BOS prefix, once per
+        sentence instead of once per beam. Cross-attention K/V and the source mask are shared."""
+        if self.group != 1 or self.length != 1:
+            raise ValueError(f"expand_beams needs a plain cache after one step, got group={self.group}, length={self.length}")
+        if group == 1:  # one beam per source is the plain layout
+            return self
+        out = KVCache(len(self.layers), group)
+        out.length, out.src_mask = 1, self.src_mask
+        for old, new in zip(self.layers, out.layers):
+            new.cross_k, new.cross_v = old.cross_k, old.cross_v
+            k, v = old.self_k, old.self_v  # (B, H, 1, d_head): step 0's slots of all G beams
+            new.self_k, new.self_v = _grow(None, k, 32 * group, 0), _grow(None, v, 32 * group, 0)
+            new.self_k[:, :, :group], new.self_v[:, :, :group] = k, v  # broadcast over the beams
+            new.length = 1
+        rows = k.shape[0] * group
+        out.ancestry = torch.empty(rows, 32, dtype=torch.long, device=k.device)
+        out.ancestry[:, 0] = torch.arange(group, device=k.device).repeat(rows // group)
+        return out
+
     def reorder(self, index: Tensor, cross: bool = True) -> None:
         """Keep/duplicate/permute batch rows (beam search): row i becomes old row index[i].
 

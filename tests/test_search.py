@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from mtrain.config import ModelConfig
-from mtrain.model import Transformer
-from mtrain.search import beam_search, greedy_search, length_penalty, step_logprobs, topk_step
+from mtrain.model import KVCache, Transformer
+from mtrain.search import (beam_search, greedy_search, length_penalty, logsumexp_, next_token_topk, topk_rows,
+                           topk_step)
 from mtrain.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 A, B_, C, D = 4, 5, 6, 7  # word ids of the scripted model
@@ -28,6 +29,11 @@ class ScriptedCache:
 
     def reorder(self, index: torch.Tensor, cross: bool = True) -> None:
         self.prefix = self.prefix.index_select(0, index)
+
+    def expand_beams(self, group: int) -> ScriptedCache:
+        assert self.group == 1 and self.length == 1, "beam search expands after its one-row first step"
+        self.prefix, self.group = self.prefix.repeat_interleave(group, 0), group
+        return self
 
 
 class ScriptedModel:
@@ -87,22 +93,52 @@ def test_length_penalty_is_gnmt():
 def test_topk_step_matches_brute_force():
     torch.manual_seed(0)
     scores, logprobs = torch.randn(3, 2), torch.randn(3, 2, 5)
-    values, parent, token = topk_step(scores, logprobs, 3)
+    top, ids = logprobs.topk(4, dim=-1)  # each beam's 4 best of 5: enough for the best 3 overall
+    values, parent, token = topk_step(scores, top, ids, 3)
     for b in range(3):
         every = sorted(((scores[b, k] + logprobs[b, k, v]).item(), k, v) for k in range(2) for v in range(5))[::-1]
         assert values[b].tolist() == pytest.approx([s for s, _, _ in every[:3]])
         assert list(zip(parent[b].tolist(), token[b].tolist())) == [(k, v) for _, k, v in every[:3]]
 
 
-def test_step_logprobs_never_pad_or_bos_and_forces_eos_at_max():
+@pytest.mark.parametrize("vocab", [8000, 8001, 8063, 700, 30])
+def test_topk_rows_equals_topk(vocab):
+    # Chunked top-k against torch.topk: full chunks, a ragged last chunk, one-chunk-per-k and
+    # plain-fallback sizes; rows with one finite value (EOS only), ties of -inf, and a maximum in
+    # the ragged tail.
+    torch.manual_seed(vocab)
+    x = torch.randn(40, vocab)
+    x[1] = float("-inf")
+    x[1, 3] = 0.5
+    x[2, -1] = 100.0
+    x[3, :] = x[3, 0]  # every value tied: any k columns are right, values must match
+    for k in (1, 6, 10):
+        values, cols = topk_rows(x, k)
+        ref_values, ref_cols = x.topk(k, dim=1)
+        assert torch.equal(values, ref_values)
+        assert torch.equal(x.gather(1, cols), values)  # the columns hold those values
+        finite = ref_values.isfinite()
+        assert torch.equal(cols[finite & (torch.arange(40) != 3)[:, None]], ref_cols[finite & (torch.arange(40) != 3)[:, None]])
+        assert all(len(set(row)) == k for row in cols[[0, 2, 3]].tolist())  # no column twice
+
+
+def test_logsumexp_in_place():
+    x = torch.tensor([[0.0, math.log(3.0)], [1000.0, 1000.0], [float("-inf"), float("-inf")]])
+    out = logsumexp_(x.clone(), peak=x.amax(dim=1, keepdim=True))
+    assert out[:, 0].tolist()[:2] == pytest.approx([math.log(4.0), 1000.0 + math.log(2.0)])
+    assert out[2, 0] == float("-inf")  # nothing to normalise: -inf, not NaN
+
+
+def test_next_token_topk_never_pad_or_bos_and_forces_eos_at_max():
     model = ScriptedModel(TABLE)
     src = src_of(A, A)
     at_max = torch.tensor([False, True])
-    logprobs = step_logprobs(model, torch.full((2,), BOS_ID), model.encode(src), src, model.new_cache(), at_max)
-    assert logprobs[:, PAD_ID].eq(float("-inf")).all() and logprobs[:, BOS_ID].eq(float("-inf")).all()
-    assert logprobs[0, A].item() == pytest.approx(math.log(0.5))
-    assert logprobs[1, EOS_ID].item() == pytest.approx(math.log(0.2))  # EOS keeps its own log-prob
-    assert logprobs[1].isfinite().sum() == 1
+    top, ids = next_token_topk(model, torch.full((2,), BOS_ID), model.encode(src), src, model.new_cache(), at_max, 3)
+    assert ids[0].tolist() == [A, B_, EOS_ID]
+    assert top[0].tolist() == pytest.approx([math.log(0.5), math.log(0.3), math.log(0.2)])
+    assert ids[1, 0] == EOS_ID and top[1, 0].item() == pytest.approx(math.log(0.2))  # EOS keeps its own log-prob
+    assert top[1, 1:].eq(float("-inf")).all()
+    assert not {PAD_ID, BOS_ID} & set(ids[top.isfinite()].tolist())
 
 
 def test_scripted_beams_scores_and_nbest_order():
@@ -230,6 +266,19 @@ def test_batch_equals_each_sentence_alone(model, beam):
         assert greedy[i] == greedy_search(model, alone_src, max_len[i : i + 1])[0]
 
 
+class RowCache(KVCache):
+    """A plain cache whose expand_beams repeats every row (self- and cross-attention K/V alike)
+    instead of building the grouped beam layout: the reference for mtrain's grouped beam cache."""
+
+    rows_per_source = 1
+
+    def expand_beams(self, group: int) -> KVCache:
+        index = torch.arange(self.layers[0].self_k.size(0)).repeat_interleave(group)
+        self.reorder(index)
+        self.rows_per_source = group
+        return self
+
+
 class Ungrouped:
     """The same model with cross-attention K/V per beam row (memory and src repeated per row),
     as a reference for the per-sentence K/V that beam search normally gets."""
@@ -241,13 +290,47 @@ class Ungrouped:
         return self.model.encode(src)
 
     def new_cache(self, group: int = 1):
-        cache = self.model.new_cache()
-        cache.rows_per_source = group
-        return cache
+        assert group == 1, "beam search starts from a plain cache"
+        return RowCache(len(self.model.decoder))
 
     def decode(self, tgt, memory, src, cache):
         repeat = cache.rows_per_source
         return self.model.decode(tgt, memory.repeat_interleave(repeat, 0), src.repeat_interleave(repeat, 0), cache)
+
+
+def beam_reference(model, src, beam: int, alpha: float, max_len: int) -> list[tuple[list[int], float]]:
+    """Textbook beam search for one sentence: no cache (every prefix decoded from scratch), every
+    (beam, token) pair scored, no early stop. Each step: of the 2*beam best extensions, EOS among
+    the best `beam` finishes with score logp / lp(len); the best `beam` non-EOS stay alive."""
+    memory = model.encode(src)
+    alive, finished = [([], 0.0)], []
+    for t in range(max_len + 1):
+        candidates = []
+        for prefix, score in alive:
+            logits = model.decode(torch.tensor([[BOS_ID, *prefix]]), memory, src)[0, -1].double()
+            logp = torch.log_softmax(logits, dim=-1).tolist()
+            for token, lp_token in enumerate(logp):
+                if token not in (PAD_ID, BOS_ID) and (t < max_len or token == EOS_ID):
+                    candidates.append((score + lp_token, prefix, token))
+        candidates.sort(key=lambda c: -c[0])
+        best = candidates[: 2 * beam]
+        finished += [(s / lp(t + 1, alpha), prefix) for s, prefix, token in best[:beam] if token == EOS_ID]
+        alive = [(prefix + [token], s) for s, prefix, token in best if token != EOS_ID][:beam]
+    return [(prefix, s) for s, prefix in sorted(finished, key=lambda f: -f[0])[:beam]]
+
+
+@pytest.mark.parametrize("beam", [1, 3, 5])
+def test_beam_search_equals_textbook_reference(model, beam):
+    # Per-beam top-(beam+1) candidates, the one-row first step, the grouped in-place cache and the
+    # early stop together must give exactly what scoring every (beam, token) pair gives.
+    with torch.inference_mode():
+        src, max_len = random_batch(21)
+        out = beam_search(model, src, beam=beam, lenpen=0.6, max_len=max_len, nbest=beam)
+        for i in range(src.size(0)):
+            row = src[i : i + 1, : int((src[i] != PAD_ID).sum())]
+            ref = beam_reference(model, row, beam, 0.6, int(max_len[i]))
+            assert [ids for ids, _ in out[i]] == [ids for ids, _ in ref]
+            assert [s for _, s in out[i]] == pytest.approx([s for _, s in ref], abs=1e-4)
 
 
 @pytest.mark.parametrize("beam", [2, 4])

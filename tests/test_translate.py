@@ -31,6 +31,10 @@ class CopyCache:
     def reorder(self, index: torch.Tensor, cross: bool = True) -> None:  # every row is at the same position
         pass
 
+    def expand_beams(self, group: int) -> CopyCache:  # beam search's first step runs one row per source
+        self.group = group
+        return self
+
 
 class CopyModel:
     """Emits its source token by token (probability 0.9, the rest spread evenly), then EOS: the
