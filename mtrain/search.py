@@ -71,7 +71,7 @@ def topk_rows(x: Tensor, k: int, chunk: int = 64) -> tuple[Tensor, Tensor]:
     chunks with larger maxima would already supply k values that large. So the chunk maxima (one
     vectorised reduction) pick k * chunk candidate columns, and topk runs over those only. Ties
     may pick other columns of equal value, as topk's order among ties is unspecified anyway."""
-    N, V = x.shape
+    V = x.size(1)
     n = V // chunk
     if x.device.type != "cpu" or n < 4 * k:  # GPU topk is fast already; small V gains nothing
         return x.topk(k, dim=1)

@@ -70,8 +70,10 @@ def write_curve_csv(rows: list[dict[str, Any]], path: str | Path) -> None:
         writer.writerows(rows)
 
 
-def plot_curve(rows: list[dict[str, Any]], path: str | Path, title: str, test_bleu: float | None = None) -> None:
-    """Valid BLEU (greedy) against minutes of training; the peer's point and the final test score."""
+def plot_curve(rows: list[dict[str, Any]], path: str | Path, title: str, test_bleu: float | None = None,
+               test_points: list[tuple[float, float]] | None = None) -> None:
+    """Valid BLEU (greedy) against minutes of training; the peer's point and the final test score;
+    test_points: (minutes, greedy test2016 BLEU) of step checkpoints (scripts/test_curve.py)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,6 +82,9 @@ def plot_curve(rows: list[dict[str, Any]], path: str | Path, title: str, test_bl
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot([r["wall_min"] for r in rows], [r["valid_bleu"] for r in rows], marker="o", ms=3,
             label="mtrain: valid BLEU (greedy)")
+    if test_points:
+        ax.plot([m for m, _ in test_points], [b for _, b in test_points], marker="^", ms=4, color="tab:purple",
+                label="mtrain: test2016 BLEU (greedy, step checkpoints)")
     ax.scatter([PEER["minutes"]], [PEER["bleu"]], marker="s", color="tab:red", zorder=3, label=PEER["name"])
     ax.scatter([PEER["minutes"] / 2], [PEER["bleu"]], marker="x", color="tab:red", zorder=3,
                label="target: the peer's BLEU in half its time")
