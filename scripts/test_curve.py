@@ -30,7 +30,7 @@ def step_checkpoints(folder: Path) -> list[tuple[int, Path]]:
 
 
 def greedy_bleu(checkpoint: Path, src: Path, ref: Path) -> float:
-    out = subprocess.run(["mtrain", "eval", "--checkpoint", str(checkpoint), "--src", str(src), "--ref", str(ref),
+    out = subprocess.run([sys.executable, "-m", "mtrain", "eval", "--checkpoint", str(checkpoint), "--src", str(src), "--ref", str(ref),
                           "--beam", "1", "--json"], check=True, capture_output=True, text=True)
     return float(json.loads(out.stdout)["bleu"])
 

@@ -89,3 +89,11 @@ def test_label_smoothing_gradient_is_softmax_minus_target(eps):
     expected = [0.25 - eps / 4] * 4
     expected[2] -= 1 - eps
     assert uniform.grad[0].tolist() == pytest.approx(expected)
+
+
+def test_label_smoothing_refuses_a_second_backward():
+    logits = torch.randn(3, 5, requires_grad=True)
+    loss, _ = label_smoothed_loss(logits, torch.tensor([0, 1, 2]), 0.1)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward"):
+        loss.backward()
