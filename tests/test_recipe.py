@@ -165,6 +165,25 @@ def test_report_writes_results_and_curve(tmp_path):
     assert (tmp_path / "bleu_vs_time.png").stat().st_size > 0
 
 
+def test_test_curve_scores_step_checkpoints_at_their_wall_time(tmp_path, monkeypatch, capsys):
+    curve = load_script(ROOT / "scripts" / "test_curve.py", "test_curve")
+    records = [{"event": "train", "step": 250, "elapsed_s": 60.0}, {"event": "valid", "step": 250, "valid_s": 6.0, "bleu": 20.0},
+               {"event": "train", "step": 500, "elapsed_s": 120.0}, {"event": "valid", "step": 500, "valid_s": 6.0, "bleu": 35.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    for name in ("step-500.pt", "step-250.pt", "step-750.pt", "last.pt", "step-x.pt"):
+        (tmp_path / name).write_bytes(b"")
+    assert [step for step, _ in curve.step_checkpoints(tmp_path)] == [250, 500, 750]  # numeric order
+    scored = {"step-250.pt": 21.0, "step-500.pt": 33.0}
+    monkeypatch.setattr(curve, "greedy_bleu", lambda path, src, ref: scored[path.name])
+    curve.main(["--run", str(tmp_path), "--src", "s", "--ref", "r"])
+    out = json.loads(capsys.readouterr().out)
+    # step 750 has no validation record (no wall time): skipped; 33.0 >= the peer's 32.5 first at step 500
+    assert [p["step"] for p in out["points"]] == [250, 500]
+    assert out["first_at_or_above_peer"] == {"step": 500, "wall_min": 2.1, "valid_bleu": 35.0, "test_bleu_greedy": 33.0}
+    assert (tmp_path / "test_vs_time.csv").read_text().splitlines()[1] == "250,1.1,20.0,21.0"
+    assert (tmp_path / "bleu_vs_time.png").stat().st_size > 0
+
+
 # ---------------------------------------------------------------- benchmark runner
 
 def test_bench_runner_reads_the_last_json_line_and_tabulates():
