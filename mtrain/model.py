@@ -270,16 +270,13 @@ class KVCache:
         if group == 1:  # one beam per source is the plain layout
             return self
         out = KVCache(len(self.layers), group)
-        out.length, out.src_mask = 1, self.src_mask
+        out.src_mask = self.src_mask
         for old, new in zip(self.layers, out.layers):
             new.cross_k, new.cross_v = old.cross_k, old.cross_v
-            k, v = old.self_k, old.self_v  # (B, H, 1, d_head): step 0's slots of all G beams
-            new.self_k, new.self_v = _grow(None, k, 32 * group, 0), _grow(None, v, 32 * group, 0)
-            new.self_k[:, :, :group], new.self_v[:, :, :group] = k, v  # broadcast over the beams
-            new.length = 1
-        rows = k.shape[0] * group
-        out.ancestry = torch.empty(rows, 32, dtype=torch.long, device=k.device)
-        out.ancestry[:, 0] = torch.arange(group, device=k.device).repeat(rows // group)
+            # (sources, H, 1, d_head) broadcast to step 0's slots of all G beams
+            new.append_beams(old.self_k.expand(-1, -1, group, -1), old.self_v.expand(-1, -1, group, -1))
+        out.beam_step(old.self_k.shape[0] * group, old.self_k.device)  # each beam its own step-0 ancestor
+        out.length = 1
         return out
 
     def reorder(self, index: Tensor, cross: bool = True) -> None:
