@@ -81,6 +81,7 @@ class TrainConfig:
     eval_beam: int = 1  # beam size for validation BLEU (1 = greedy, fast on CPU)
     eval_max_sentences: int = 0  # 0 = the whole validation split
     keep_last: int = 5  # step checkpoints kept besides last.pt and best.pt
+    keep_every: int = 0  # > 0: also keep every step-N.pt with N % keep_every == 0 (a BLEU-vs-time curve later)
     average_last: int = 0  # > 0: average the last K step checkpoints into averaged.pt at the end
     patience: int = 0  # stop after this many validations without a BLEU gain; 0 = never
     max_nonfinite: int = 10  # consecutive non-finite losses before training stops
@@ -228,7 +229,7 @@ RANGES: dict[str, tuple[float, float | None]] = {
     **{f"train.{k}": (1, None) for k in ("max_tokens", "update_freq", "warmup_steps", "log_every", "save_every",
                                          "eval_every", "eval_beam", "max_nonfinite")},
     **{f"train.{k}": (0, None) for k in ("max_steps", "lr_scale", "weight_decay", "clip_norm", "eval_max_sentences",
-                                         "keep_last", "average_last", "patience", "num_threads", "adam_eps")},
+                                         "keep_last", "keep_every", "average_last", "patience", "num_threads", "adam_eps")},
     "train.label_smoothing": (0, 1), "train.adam_beta1": (0, 1), "train.adam_beta2": (0, 1),
 }
 

@@ -464,7 +464,7 @@ class Trainer:
                 "state": dataclasses.asdict(self.state), "rng": rngs, "world_size": self.dist.world_size}
 
     def save_last(self, with_step_file: bool) -> None:
-        """RUN/step-N.pt (model only, pruned to keep_last), then RUN/last.pt, the commit point of
+        """RUN/step-N.pt (model only, pruned to keep_last and keep_every), then RUN/last.pt, the commit point of
         resume. Rank 0 writes; a failure there stops every rank."""
         rngs = self._gather_rngs()
         error: MtrainError | None = None
@@ -493,8 +493,11 @@ class Trainer:
         return [p for _, p in sorted(files)]
 
     def _prune_step_files(self) -> None:
-        keep = max(self.tcfg.keep_last, self.tcfg.average_last)
+        """Keep the newest max(keep_last, average_last) step files, and those on the keep_every grid."""
+        keep, every = max(self.tcfg.keep_last, self.tcfg.average_last), self.tcfg.keep_every
         for path in self.step_files()[:-keep] if keep > 0 else self.step_files():
+            if every > 0 and int(path.stem.split("-", 1)[1]) % every == 0:
+                continue
             path.unlink(missing_ok=True)
 
     # ------------------------------------------------------------ logging

@@ -3,8 +3,9 @@ comparison with the JoeyNMT peer (greedy cased sacreBLEU on test2016 after 68 mi
 
     python scripts/test_curve.py --run RUN --src TOK/test2016.src.txt --ref TOK/test2016.tgt.txt [--checkpoints DIR]
 
-Scores every DIR/step-N.pt (default: RUN; train keeps only the last train.keep_last of them, so
-copy them aside while the run goes on to keep the early ones) with `mtrain eval --beam 1`, reads
+Scores every DIR/step-N.pt (default: RUN, where the recipe configs keep one per epoch through
+train.keep_every; without it train keeps only the last train.keep_last, so copy them aside while the
+run goes on to keep the early ones) with `mtrain eval --beam 1`, reads
 each step's wall time from RUN/metrics.jsonl (the validation at that step, as in bleu_vs_time.csv),
 writes RUN/test_vs_time.csv, redraws RUN/bleu_vs_time.png with these points, and prints the first
 checkpoint at or above the peer's BLEU. Progress goes to stderr; one JSON object to stdout.

@@ -159,6 +159,14 @@ def test_early_stopping_and_step_files(copy_data, tmp_path):
     assert again["stopped"] == "done" and again["step"] == 2
 
 
+def test_keep_every_spares_step_files_on_its_grid(copy_data, tmp_path):
+    """keep_last 2 keeps the newest two; keep_every 3 also spares step-3 (step-6 is both)."""
+    run(copy_data, tmp_path, "train.max_steps=7", "train.eval_every=7", "train.save_every=1",
+        "train.keep_last=2", "train.keep_every=3", "train.lr_scale=0")
+    steps = sorted(int(p.stem.split("-")[1]) for p in tmp_path.glob("step-*.pt"))
+    assert steps == [3, 6, 7]
+
+
 def test_kill_during_finish_resumes_into_finish(copy_data, tmp_path):
     """last.pt written at the final step, then a kill before averaging: the re-run finishes the job."""
     args = ["train.max_steps=4", "train.save_every=2", "train.eval_every=2", "train.average_last=2"]
