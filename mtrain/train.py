@@ -211,7 +211,9 @@ class TrainState:
     nonfinite_run: int = 0  # consecutive skipped updates
     nonfinite_total: int = 0
     finished: str = ""  # why the last run ended ("max_steps", "early_stopping") once finish() saved
-    window: dict[str, float] = field(default_factory=lambda: {"loss": 0.0, "nll": 0.0, "tokens": 0, "steps": 0})
+    # Sums since the last train log line; in the checkpoint so a resumed run logs the same numbers.
+    # "seconds" is time inside updates only, so tokens/s skips validation, saving and the restart gap.
+    window: dict[str, float] = field(default_factory=lambda: {"loss": 0.0, "nll": 0.0, "tokens": 0, "steps": 0, "seconds": 0.0})
 
 
 class StopSignal:
@@ -517,7 +519,7 @@ class Run:
     def __init__(self, trainer: Trainer) -> None:
         self.tr = trainer
         self.metrics: MetricsLog | None = None
-        self.started = self.window_start = time.perf_counter()
+        self.started = time.perf_counter()
 
     def start(self) -> None:
         tr = self.tr
@@ -538,23 +540,23 @@ class Run:
         if self.metrics is not None:
             self.metrics.write(event)
 
-    def log_window(self, stats: dict[str, float]) -> None:
+    def log_window(self, stats: dict[str, float], seconds: float) -> None:
         w = self.tr.state.window
         w["loss"] += stats["loss"]
         w["nll"] += stats["nll"]
         w["tokens"] += stats["tokens"]
         w["steps"] += 1
+        w["seconds"] = w.get("seconds", 0.0) + seconds  # checkpoints from before this key lack it
         if self.tr.state.step % self.tr.tcfg.log_every:
             return
-        elapsed = time.perf_counter() - self.window_start
+        elapsed = w["seconds"]
         nll = w["nll"] / max(1, w["tokens"])
         self.record({"event": "train", "step": self.tr.state.step, "epoch": self.tr.stream.epoch,
                      "loss": w["loss"] / max(1, w["tokens"]), "nll": nll, "ppl": math.exp(min(nll, 50.0)),
                      "lr": stats["lr"], "grad_norm": stats["grad_norm"], "tokens_per_s": w["tokens"] / max(elapsed, 1e-9),
                      "nonfinite": self.tr.state.nonfinite_total,
                      "elapsed_s": round(time.perf_counter() - self.started, 1)})  # since this process started
-        self.tr.state.window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "steps": 0}
-        self.window_start = time.perf_counter()
+        self.tr.state.window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "steps": 0, "seconds": 0.0}
 
     def validate(self) -> bool:
         """Validate on rank 0; returns True when early stopping says stop (decided on rank 0)."""
@@ -578,7 +580,6 @@ class Run:
             stop = 0 < tr.tcfg.patience <= s.bad_evals
             if stop:
                 tr.log(f"early stopping: no BLEU gain in {s.bad_evals} validations (best {s.best_bleu:.2f} at step {s.best_step})")
-            self.window_start += time.perf_counter() - began  # tokens/s counts training time only
         s.last_eval_step = s.step
         # Only rank 0 keeps the early-stopping counters (it alone saves); everyone learns its decision.
         stop = dist_utils.broadcast_flag(stop, tr.dist, tr.device)
@@ -607,10 +608,11 @@ class Run:
                     tr.count_nonfinite()
                     continue
                 tr.state.nonfinite_run = 0
-                self.log_window(stats)
+                seconds = time.perf_counter() - start
+                self.log_window(stats, seconds)
                 bar.update(1)
                 bar.set_postfix(loss=f"{stats['loss'] / stats['tokens']:.3f}", lr=f"{stats['lr']:.2e}",
-                                tok_s=f"{stats['tokens'] / (time.perf_counter() - start):.0f}", refresh=False)
+                                tok_s=f"{stats['tokens'] / seconds:.0f}", refresh=False)
                 if tr.state.step == stop_at and stop_signal.signum is None:
                     stop_signal.signum = signal.SIGINT
                 step = tr.state.step

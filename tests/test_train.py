@@ -92,11 +92,33 @@ def test_exact_resume_is_bit_identical(copy_data, tmp_path, monkeypatch):
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     moments_a, moments_b = a["train_state"]["optimizer"]["state"], b["train_state"]["optimizer"]["state"]
     assert all(torch.equal(moments_a[i]["exp_avg_sq"], moments_b[i]["exp_avg_sq"]) for i in moments_a)
-    assert a["train_state"]["state"] == b["train_state"]["state"]
+    state_a, state_b = a["train_state"]["state"], b["train_state"]["state"]
+    window_a, window_b = state_a.pop("window"), state_b.pop("window")
+    assert state_a == state_b
+    window_a.pop("seconds"), window_b.pop("seconds")  # wall time, the one thing that may differ
+    assert window_a == window_b
     # metrics.jsonl has each event once, and the same losses.
     losses = [[(r["step"], r["loss"]) for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())]
               for d in (tmp_path / "full", tmp_path / "split")]
     assert losses[0] == losses[1]
+
+
+def test_tokens_per_s_of_a_window_spanning_a_restart():
+    """A log window cut by a resume: tokens/s = all its tokens over the update time of both halves
+    (200 tokens in 0.5 s + 0.5 s), not over the resumed half only; old checkpoints lack "seconds"."""
+    from types import SimpleNamespace
+
+    from mtrain.train import Run, TrainState
+
+    for restored, expected in (({"loss": 2.0, "nll": 1.0, "tokens": 100, "steps": 1, "seconds": 0.5}, 200.0),
+                               ({"loss": 2.0, "nll": 1.0, "tokens": 100, "steps": 1}, 400.0)):
+        state = TrainState(step=2, window=dict(restored))
+        trainer = SimpleNamespace(state=state, tcfg=SimpleNamespace(log_every=2), stream=SimpleNamespace(epoch=1))
+        loop, events = Run(trainer), []
+        loop.record = events.append
+        loop.log_window({"loss": 2.0, "nll": 1.0, "tokens": 100, "lr": 1e-3, "grad_norm": 1.0}, seconds=0.5)
+        assert events[0]["tokens_per_s"] == pytest.approx(expected)
+        assert events[0]["loss"] == pytest.approx(4.0 / 200) and state.window["tokens"] == 0
 
 
 def test_resume_with_other_model_config_fails(copy_data, tmp_path):
