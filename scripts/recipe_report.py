@@ -20,7 +20,7 @@ from mtrain.plot import read_metrics  # the one reader of metrics.jsonl (skips a
 
 # The peer this curve is compared with (issue 7): JoeyNMT 2.3, same shape and data, 2 CPU cores,
 # greedy cased sacreBLEU on test2016 after 68 minutes of training.
-PEER = {"name": "JoeyNMT 2.3 (test2016, greedy)", "minutes": 68.0, "bleu": 32.5}
+PEER = {"name": "JoeyNMT 2.3 (test2016, greedy)", "direction": "de-en", "minutes": 68.0, "bleu": 32.5}
 
 
 def with_wall_time(records: list[dict[str, Any]]) -> list[tuple[float, dict[str, Any]]]:
@@ -70,10 +70,11 @@ def write_curve_csv(rows: list[dict[str, Any]], path: str | Path) -> None:
         writer.writerows(rows)
 
 
-def plot_curve(rows: list[dict[str, Any]], path: str | Path, title: str, test_bleu: float | None = None,
+def plot_curve(rows: list[dict[str, Any]], path: str | Path, direction: str, test_bleu: float | None = None,
                test_points: list[tuple[float, float]] | None = None) -> None:
-    """Valid BLEU (greedy) against minutes of training; the peer's point and the final test score;
-    test_points: (minutes, greedy test2016 BLEU) of step checkpoints (scripts/test_curve.py)."""
+    """Valid BLEU (greedy) against minutes of training; the final test score; the peer's point
+    when it measured this direction; test_points: (minutes, greedy test2016 BLEU) of step
+    checkpoints (scripts/test_curve.py)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -85,15 +86,16 @@ def plot_curve(rows: list[dict[str, Any]], path: str | Path, title: str, test_bl
     if test_points:
         ax.plot([m for m, _ in test_points], [b for _, b in test_points], marker="^", ms=4, color="tab:purple",
                 label="mtrain: test2016 BLEU (greedy, step checkpoints)")
-    ax.scatter([PEER["minutes"]], [PEER["bleu"]], marker="s", color="tab:red", zorder=3, label=PEER["name"])
-    ax.scatter([PEER["minutes"] / 2], [PEER["bleu"]], marker="x", color="tab:red", zorder=3,
-               label="target: the peer's BLEU in half its time")
+    if direction == PEER["direction"]:
+        ax.scatter([PEER["minutes"]], [PEER["bleu"]], marker="s", color="tab:red", zorder=3, label=PEER["name"])
+        ax.scatter([PEER["minutes"] / 2], [PEER["bleu"]], marker="x", color="tab:red", zorder=3,
+                   label="target: the peer's BLEU in half its time")
     if test_bleu is not None and rows:
         ax.scatter([rows[-1]["wall_min"]], [test_bleu], marker="*", s=120, color="tab:green", zorder=3,
                    label="mtrain: test2016, beam 5, averaged")
     ax.set_xlabel("training wall time (minutes, validation included)")
     ax.set_ylabel("cased sacreBLEU")
-    ax.set_title(title)
+    ax.set_title(f"Multi30k {direction}: BLEU vs wall time")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
@@ -170,8 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = validation_curve(records)
     write_curve_csv(rows, args.run / "bleu_vs_time.csv")
     if rows:
-        plot_curve(rows, args.run / "bleu_vs_time.png", f"Multi30k {meta.get('direction', '')}: BLEU vs wall time",
-                   results["bleu"])
+        plot_curve(rows, args.run / "bleu_vs_time.png", meta.get("direction", ""), results["bleu"])
     tok_text = f"{results['tok_bleu_lc']:.2f}" if results["tok_bleu_lc"] is not None else "n/a"
     print(f"test2016 cased sacreBLEU {results['bleu']:.2f}  chrF {results['chrf']:.2f}  TER {results['ter']:.2f}  "
           f"lowercased tokenized BLEU {tok_text}", file=sys.stderr)

@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     first = next((r for r in rows if r["test_bleu_greedy"] >= PEER["bleu"]), None)
     results_file = args.run / "results.json"
     final = json.loads(results_file.read_text(encoding="utf-8")) if results_file.is_file() else {}
-    plot_curve(curve, args.run / "bleu_vs_time.png", f"Multi30k {final.get('direction', '')}: BLEU vs wall time",
-               final.get("bleu"), [(r["wall_min"], r["test_bleu_greedy"]) for r in rows])
+    plot_curve(curve, args.run / "bleu_vs_time.png", final.get("direction", ""), final.get("bleu"),
+               [(r["wall_min"], r["test_bleu_greedy"]) for r in rows])
     print(json.dumps({"peer": PEER, "first_at_or_above_peer": first, "points": rows}))
 
 
