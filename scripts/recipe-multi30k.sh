@@ -82,8 +82,10 @@ if [ -n "${EVAL_LINES:-}" ]; then
     head -n "$EVAL_LINES" "$TEST_REF" > "$RUN/eval-subset/ref"; TEST_REF="$RUN/eval-subset/ref"
     if [ -n "$TOKREF" ]; then head -n "$EVAL_LINES" "$TOKREF" > "$RUN/eval-subset/tokref"; TOKREF="$RUN/eval-subset/tokref"; fi
 fi
-echo "scoring $CKPT on test2016 (beam 5)" >&2
-mtrain eval --checkpoint "$CKPT" --src "$TEST_SRC" --ref "$TEST_REF" --beam 5 \
+# The length penalty is the config's decode.lenpen (chosen on the valid split; see docs/recipe.md).
+LENPEN=$(python -c "from mtrain.config import load_config; print(load_config('$CONFIG').decode.lenpen)")
+echo "scoring $CKPT on test2016 (beam 5, lenpen $LENPEN)" >&2
+mtrain eval --checkpoint "$CKPT" --src "$TEST_SRC" --ref "$TEST_REF" --beam 5 --lenpen "$LENPEN" \
     --output-hyp "$RUN/test2016.hyp" --json > "$RUN/test2016.sacrebleu.json"
 tok_args=()
 if [ -n "$TOKREF" ]; then
@@ -95,6 +97,6 @@ else
     echo "note: no tok/test2016.lc.norm.tok.$TGT (data/multi30k/tok or $SHARED/tok); skipping tokenized BLEU" >&2
 fi
 python scripts/recipe_report.py --run "$RUN" --sacrebleu "$RUN/test2016.sacrebleu.json" "${tok_args[@]}" \
-    --meta direction=$DIR --meta config=$CONFIG --meta checkpoint="$CKPT" --meta decode="beam 5, lenpen 0.6" \
+    --meta direction=$DIR --meta config=$CONFIG --meta checkpoint="$CKPT" --meta decode="beam 5, lenpen $LENPEN" \
     --meta tok_ref="${TOKREF:-none}" --meta eval_lines="${EVAL_LINES:-all}" --meta train_hours_cap="${TRAIN_HOURS:-2.75}"
 cat "$RUN/results.json"
