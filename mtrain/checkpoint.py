@@ -136,6 +136,12 @@ def make(config: dict[str, Any], model_state: dict[str, torch.Tensor], tokenizer
     return ckpt
 
 
+def step_checkpoints(folder: str | Path) -> list[tuple[int, Path]]:
+    """(N, path) of every folder/step-N.pt, in step order (numeric: step-250 before step-1000)."""
+    found = [(int(m.group(1)), p) for p in Path(folder).glob("step-*.pt") if (m := re.fullmatch(r"step-(\d+)\.pt", p.name))]
+    return sorted(found)
+
+
 def average_checkpoints(paths: Iterable[str | Path], out: str | Path) -> dict[str, Any]:
     """Average the model weights of checkpoints of one model (the paper averaged the last 5 or 20).
 

@@ -199,6 +199,11 @@ def forward_backward(objective: nn.Module, micro_batches: list[tuple[torch.Tenso
 
 # ---------------------------------------------------------------- state that resume restores
 
+def empty_window() -> dict[str, float]:
+    """Sums over the updates since the last train log line; seconds = time inside those updates."""
+    return {"loss": 0.0, "nll": 0.0, "tokens": 0, "steps": 0, "seconds": 0.0}
+
+
 @dataclass
 class TrainState:
     step: int = 0  # optimizer updates done
@@ -213,7 +218,12 @@ class TrainState:
     finished: str = ""  # why the last run ended ("max_steps", "early_stopping") once finish() saved
     # Sums since the last train log line; in the checkpoint so a resumed run logs the same numbers.
     # "seconds" is time inside updates only, so tokens/s skips validation, saving and the restart gap.
-    window: dict[str, float] = field(default_factory=lambda: {"loss": 0.0, "nll": 0.0, "tokens": 0, "steps": 0, "seconds": 0.0})
+    window: dict[str, float] = field(default_factory=empty_window)
+
+    @classmethod
+    def from_saved(cls, saved: dict[str, Any]) -> "TrainState":
+        """The state as last.pt stored it; windows saved before a key existed get it at zero."""
+        return cls(**{**saved, "window": {**empty_window(), **saved.get("window", {})}})
 
 
 class StopSignal:
@@ -309,7 +319,7 @@ class Trainer:
         self.optimizer.load_state_dict(ts["optimizer"])
         if self.scaler is not None and ts.get("scaler"):
             self.scaler.load_state_dict(ts["scaler"])
-        self.state = TrainState(**ts["state"])
+        self.state = TrainState.from_saved(ts["state"])
         self.stream.epoch, self.stream.index = self.state.epoch, self.state.batch_index
         self._note_train_changes(ckpt["config"].get("train", {}))
         rngs = ts["rng"]
@@ -491,16 +501,15 @@ class Trainer:
         return gathered
 
     def step_files(self) -> list[Path]:
-        files = [(int(p.stem.split("-", 1)[1]), p) for p in self.run_dir.glob("step-*.pt") if p.stem.split("-", 1)[1].isdigit()]
-        return [p for _, p in sorted(files)]
+        return [p for _, p in checkpoint.step_checkpoints(self.run_dir)]
 
     def _prune_step_files(self) -> None:
         """Keep the newest max(keep_last, average_last) step files, and those on the keep_every grid."""
         keep, every = max(self.tcfg.keep_last, self.tcfg.average_last), self.tcfg.keep_every
-        for path in self.step_files()[:-keep] if keep > 0 else self.step_files():
-            if every > 0 and int(path.stem.split("-", 1)[1]) % every == 0:
-                continue
-            path.unlink(missing_ok=True)
+        files = checkpoint.step_checkpoints(self.run_dir)
+        for step, path in files[:-keep] if keep > 0 else files:
+            if not (every > 0 and step % every == 0):
+                path.unlink(missing_ok=True)
 
     # ------------------------------------------------------------ logging
 
@@ -546,17 +555,16 @@ class Run:
         w["nll"] += stats["nll"]
         w["tokens"] += stats["tokens"]
         w["steps"] += 1
-        w["seconds"] = w.get("seconds", 0.0) + seconds  # checkpoints from before this key lack it
+        w["seconds"] += seconds
         if self.tr.state.step % self.tr.tcfg.log_every:
             return
-        elapsed = w["seconds"]
         nll = w["nll"] / max(1, w["tokens"])
         self.record({"event": "train", "step": self.tr.state.step, "epoch": self.tr.stream.epoch,
                      "loss": w["loss"] / max(1, w["tokens"]), "nll": nll, "ppl": math.exp(min(nll, 50.0)),
-                     "lr": stats["lr"], "grad_norm": stats["grad_norm"], "tokens_per_s": w["tokens"] / max(elapsed, 1e-9),
+                     "lr": stats["lr"], "grad_norm": stats["grad_norm"], "tokens_per_s": w["tokens"] / max(w["seconds"], 1e-9),
                      "nonfinite": self.tr.state.nonfinite_total,
                      "elapsed_s": round(time.perf_counter() - self.started, 1)})  # since this process started
-        self.tr.state.window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "steps": 0, "seconds": 0.0}
+        self.tr.state.window = empty_window()
 
     def validate(self) -> bool:
         """Validate on rank 0; returns True when early stopping says stop (decided on rank 0)."""

@@ -16,18 +16,14 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
 
+from mtrain.checkpoint import step_checkpoints
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from recipe_report import PEER, plot_curve, read_metrics, validation_curve  # noqa: E402
-
-
-def step_checkpoints(folder: Path) -> list[tuple[int, Path]]:
-    found = [(int(m.group(1)), p) for p in folder.glob("step-*.pt") if (m := re.fullmatch(r"step-(\d+)\.pt", p.name))]
-    return sorted(found)
 
 
 def greedy_bleu(checkpoint: Path, src: Path, ref: Path) -> float:

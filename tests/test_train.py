@@ -112,7 +112,7 @@ def test_tokens_per_s_of_a_window_spanning_a_restart():
 
     for restored, expected in (({"loss": 2.0, "nll": 1.0, "tokens": 100, "steps": 1, "seconds": 0.5}, 200.0),
                                ({"loss": 2.0, "nll": 1.0, "tokens": 100, "steps": 1}, 400.0)):
-        state = TrainState(step=2, window=dict(restored))
+        state = TrainState.from_saved({"step": 2, "window": dict(restored)})  # as resume loads it
         trainer = SimpleNamespace(state=state, tcfg=SimpleNamespace(log_every=2), stream=SimpleNamespace(epoch=1))
         loop, events = Run(trainer), []
         loop.record = events.append
