@@ -70,7 +70,9 @@ def _metrics(lowercase: bool, tokenize: str | None, sentence: bool = False):
         raise MtrainError(f"--tokenize {tokenize}: unknown sacrebleu tokenizer; use one of {', '.join(BLEU.TOKENIZERS)}")
     try:
         # Sentence-level BLEU needs effective order, or one missing 4-gram zeroes a short sentence.
-        bleu = BLEU(lowercase=lowercase, tokenize=tokenize, effective_order=sentence)
+        # `--tokenize none` says the text is tokenized on purpose (papers' tokenized BLEU), so
+        # sacrebleu's "forgot to detokenize" warning (force=False) would only be noise.
+        bleu = BLEU(lowercase=lowercase, tokenize=tokenize, effective_order=sentence, force=tokenize == "none")
     except (ImportError, RuntimeError) as err:  # ja-mecab, ko-mecab, spm need extra packages
         hint = next((line.strip() for line in str(err).splitlines() if "pip install" in line), "install its extra packages")
         raise MtrainError(f"--tokenize {tokenize}: sacrebleu cannot load this tokenizer; {hint}") from None
@@ -90,6 +92,8 @@ def _corpus_scores(hyps: Sequence[str], refs: Sequence[Sequence[str]], lowercase
 
 def _as_dict(results, n_lines: int) -> dict[str, Any]:
     out: dict[str, Any] = {key: float(result.score) for key, result, _ in results}
+    # The brevity penalty tells a too-short output (tune decode.lenpen) from a wrong one.
+    out["bleu_bp"] = next(float(result.bp) for key, result, _ in results if key == "bleu")
     out["signatures"] = {key: signature for key, _, signature in results}
     out["n_lines"] = n_lines
     return out
@@ -100,8 +104,9 @@ def score(hyps: Sequence[str], refs: Sequence[Sequence[str]], lowercase: bool = 
     """Corpus BLEU, chrF and TER of detokenized `hyps` against raw references.
 
     refs holds one list of lines per reference stream. Returns {"bleu", "chrf", "ter" (floats at
-    full precision), "signatures": {"bleu", "chrf", "ter"}, "n_lines"}. `lowercase` makes BLEU and
-    chrF case-insensitive (TER always is); `tokenize` is BLEU's tokenizer (default 13a).
+    full precision), "bleu_bp" (BLEU's brevity penalty), "signatures": {"bleu", "chrf", "ter"},
+    "n_lines"}. `lowercase` makes BLEU and chrF case-insensitive (TER always is); `tokenize` is
+    BLEU's tokenizer (default 13a).
     """
     if warn:
         warn_markers(hyps)

@@ -138,9 +138,30 @@ def test_ter_hand_derived():
     assert result["ter"] == pytest.approx(25.0)
 
 
+def test_brevity_penalty_hand_derived():
+    # 6 of the reference's 8 tokens, all in order: every precision is 1 and BP = exp(1 - 8/6),
+    # so BLEU = 100 * BP.
+    result = score(["a b c d e f"], [["a b c d e f g h"]])
+    assert result["bleu_bp"] == pytest.approx(math.exp(1 - 8 / 6))
+    assert result["bleu"] == pytest.approx(100 * math.exp(1 - 8 / 6))
+    assert score(["a b c d"], [["a b c d"]])["bleu_bp"] == 1.0
+
+
+def test_tokenize_none_accepts_tokenized_text_quietly(caplog):
+    # 100+ lines ending in " ." make sacrebleu warn "forgot to detokenize"; --tokenize none says
+    # the text is tokenized on purpose, so that warning must not appear (13a still warns).
+    lines = [f"ein hund läuft nummer {i} ." for i in range(120)]
+    with caplog.at_level("WARNING", logger="sacrebleu"):
+        assert score(lines, [lines], tokenize="none", warn=False)["bleu"] == pytest.approx(100.0)
+    assert "detokenize" not in caplog.text
+    with caplog.at_level("WARNING", logger="sacrebleu"):
+        score(lines, [lines], warn=False)
+    assert "detokenize" in caplog.text
+
+
 def test_score_returns_the_contract():
     result = score(HYP, [REF, REF2])
-    assert set(result) == {"bleu", "chrf", "ter", "signatures", "n_lines"}
+    assert set(result) == {"bleu", "chrf", "ter", "bleu_bp", "signatures", "n_lines"}
     assert set(result["signatures"]) == {"bleu", "chrf", "ter"}
     assert result["n_lines"] == len(HYP)
     assert all(isinstance(result[k], float) and math.isfinite(result[k]) for k in ("bleu", "chrf", "ter"))
