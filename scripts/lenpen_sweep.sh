@@ -11,18 +11,15 @@ cd "$(dirname "$0")/.."
 CKPT=$1 TOK=$2 TGT=$3; shift 3
 LENPENS=("$@"); [ ${#LENPENS[@]} -gt 0 ] || LENPENS=(0.6 1.0 1.5 2.0)
 OUT="$(dirname "$CKPT")/lenpen-sweep"; mkdir -p "$OUT"
-TOKREF=""
-for dir in data/multi30k/tok ../shared/corpora/multi30k/tok; do
-    if [ -f "$dir/valid.lc.norm.tok.$TGT" ]; then TOKREF="$dir/valid.lc.norm.tok.$TGT"; break; fi
-done
+. scripts/tok_bleu.sh
+TOKREF=$(find_tokref valid "$TGT")
 for lp in "${LENPENS[@]}"; do
     mtrain eval --checkpoint "$CKPT" --src "$TOK/valid.src.txt" --ref "$TOK/valid.tgt.txt" --beam 5 \
         --lenpen "$lp" --output-hyp "$OUT/valid.lp$lp.hyp" --json > "$OUT/valid.lp$lp.json"
     tok_json=none
     if [ -n "$TOKREF" ]; then
-        python scripts/eval_tok.py --lang "$TGT" --input "$OUT/valid.lp$lp.hyp" --output "$OUT/valid.lp$lp.tok"
         tok_json="$OUT/valid.lp$lp.tok.json"
-        mtrain eval --hyp "$OUT/valid.lp$lp.tok" --ref "$TOKREF" --lowercase --tokenize none --json > "$tok_json"
+        tok_bleu "$OUT/valid.lp$lp.hyp" "$TOKREF" "$TGT" "$OUT/valid.lp$lp.tok" "$tok_json"
     fi
     python - "$lp" "$OUT/valid.lp$lp.json" "$tok_json" <<'PY'
 import json, sys

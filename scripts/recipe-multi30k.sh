@@ -45,10 +45,8 @@ else
     source_args=(--hf-dataset bentrevett/multi30k)
 fi
 # The Moses-tokenized, lowercased references of the Multi30k repo (the papers' BLEU); optional.
-TOKREF=""
-for dir in data/multi30k/tok $SHARED/tok; do
-    if [ -f "$dir/test2016.lc.norm.tok.$TGT" ]; then TOKREF="$dir/test2016.lc.norm.tok.$TGT"; break; fi
-done
+. scripts/tok_bleu.sh
+TOKREF=$(find_tokref test2016 $TGT)
 
 [ -f "$TOK/meta.json" ] || mtrain tokenize --config "$CONFIG" "${source_args[@]}" --src $SRC --tgt $TGT --out "$TOK"
 BUDGET=$(python -c "print(int(float('${TRAIN_HOURS:-2.75}') * 3600))")
@@ -89,9 +87,7 @@ mtrain eval --checkpoint "$CKPT" --src "$TEST_SRC" --ref "$TEST_REF" --beam 5 --
     --output-hyp "$RUN/test2016.hyp" --json > "$RUN/test2016.sacrebleu.json"
 tok_args=()
 if [ -n "$TOKREF" ]; then
-    python scripts/eval_tok.py --lang $TGT --input "$RUN/test2016.hyp" --output "$RUN/test2016.hyp.lc.tok"
-    mtrain eval --hyp "$RUN/test2016.hyp.lc.tok" --ref "$TOKREF" --lowercase --tokenize none --json \
-        > "$RUN/test2016.tok-bleu.json"
+    tok_bleu "$RUN/test2016.hyp" "$TOKREF" $TGT "$RUN/test2016.hyp.lc.tok" "$RUN/test2016.tok-bleu.json"
     tok_args=(--tok-bleu "$RUN/test2016.tok-bleu.json")
 else
     echo "note: no tok/test2016.lc.norm.tok.$TGT (data/multi30k/tok or $SHARED/tok); skipping tokenized BLEU" >&2
