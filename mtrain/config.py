@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,6 +116,23 @@ class Config:
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML with the 1.2 booleans only (true/false). YAML 1.1, PyYAML's default, also reads
+    on/off/yes/no as booleans, so `amp: off` became False and `src: no` (Norwegian) too.
+    Boolean fields still accept yes/no/on/off: _coerce reads them from the string."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regex) for tag, regex in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Coerce a YAML or command-line value to the declared field type (YAML reads 3e-4 as a string)."""
     if tp is bool:
@@ -183,7 +201,7 @@ def parse_override(text: str) -> dict[str, dict[str, Any]]:
         raise MtrainError(f"--set {text!r}: expected section.key=value, e.g. --set train.max_steps=1000")
     dotted, value = text.split("=", 1)
     section, key = dotted.strip().split(".", 1)
-    return {section: {key: yaml.safe_load(value) if value.strip() else ""}}
+    return {section: {key: _yaml(value) if value.strip() else ""}}
 
 
 def config_from_dict(data: dict[str, Any], where: str = "config") -> Config:
@@ -201,7 +219,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not path.is_file():
             raise MtrainError(f"{path}: config file not found; pass an existing YAML file (see configs/)")
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            data = _yaml(path.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             line = f" line {mark.line + 1}" if mark is not None else ""

@@ -43,6 +43,17 @@ def test_yaml_string_float_is_coerced(tmp_path):
     assert load_config(path).train.lr_scale == pytest.approx(3e-4)
 
 
+def test_off_and_no_stay_strings_where_a_string_is_expected(tmp_path):
+    """YAML 1.1 reads off/no as False; `amp: off` and Norwegian `src: no` must survive as text,
+    while boolean keys still take yes/no/on/off."""
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  amp: off\n  compile: on\ndata:\n  src: no\n")
+    cfg = load_config(path, ["model.share_embeddings=no", "data.tgt=yes"])
+    assert (cfg.train.amp, cfg.data.src, cfg.data.tgt) == ("off", "no", "yes")
+    assert cfg.train.compile is True and cfg.model.share_embeddings is False
+    assert load_config(None, ["train.amp=off"]).train.amp == "off"
+
+
 def test_later_override_wins(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("train:\n  max_steps: 5\n")
