@@ -36,6 +36,19 @@ def key_mask(ids: Tensor, pad_id: int) -> Tensor:
     return keep[:, None, None, :]
 
 
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,
+           is_causal: bool = False) -> Tensor:
+    """softmax(q k^T / sqrt(d_head)) v per head. Under bfloat16 autocast on a CPU, q, k and v go
+    to float32 first: PyTorch's CPU attention kernels run ~6x slower in bfloat16 than in float32
+    (forward + backward, measured at Multi30k shapes), while their matmuls are tiny (d_head 64,
+    ~15 positions), so the float32 copies cost less than they save."""
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        with torch.autocast("cpu", enabled=False):  # autocast would cast them back to bfloat16
+            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                                  dropout_p=dropout_p, is_causal=is_causal)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+
+
 class SelfAttention(nn.Module):
     """Multi-head self-attention with one fused Q/K/V projection (one matmul instead of three)."""
 
@@ -57,7 +70,7 @@ class SelfAttention(nn.Module):
         elif cache is not None:
             k, v = cache.append_self(k, v)
         p = self.attention_dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
+        y = attend(q, k, v, mask, p, is_causal)
         return self.out(y.transpose(1, 2).reshape(B, T, D))  # concat heads: (B, T, D)
 
 
@@ -90,31 +103,37 @@ class CrossAttention(nn.Module):
         G = 1 if cache is None else cache.group
         q = self.q(x).view(B // G, G * T, self.n_heads, D // self.n_heads).transpose(1, 2)  # (B/G, H, G*T, d_head)
         p = self.attention_dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        y = attend(q, k, v, mask, p)
         return self.out(y.transpose(1, 2).reshape(B, T, D))
 
 
 class Dropout(nn.Dropout):
-    """nn.Dropout, with a cheaper mask for float32 on CPU, where bernoulli_ (one random float per
-    element) costs more than the matmul before it: see cpu_dropout_mask. About 8% of a training
-    step on a 2-core CPU. GPUs, other dtypes and torch.compile use F.dropout (already fused there)."""
+    """nn.Dropout, with a cheaper mask for float32 and bfloat16 on CPU, where bernoulli_ (one random
+    float per element) costs more than the matmul before it (in bfloat16, 5x more): see
+    cpu_dropout_keep. About 8% of a float32 training step on a 2-core CPU. GPUs, other dtypes and
+    torch.compile use F.dropout (already fused there)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if (not self.training or self.p == 0.0 or x.device.type != "cpu" or x.dtype != torch.float32
-                or torch.compiler.is_compiling()):
+        if (not self.training or self.p == 0.0 or x.device.type != "cpu"
+                or x.dtype not in (torch.float32, torch.bfloat16) or torch.compiler.is_compiling()):
             return super().forward(x)
-        return x * cpu_dropout_mask(x, self.p)
+        keep, scale = cpu_dropout_keep(x, self.p)
+        if x.dtype == torch.float32:
+            return x * keep.to(x.dtype).mul_(scale)  # a float mask multiplies faster than a bool one
+        # bfloat16 has no exact 1 / (1 - p) (1/0.9 -> 1.109, a 0.2% bias): scale each element in
+        # float32 and round it, so E[output] = x still holds up to unbiased rounding.
+        return x.mul(scale).mul_(keep)
 
 
-def cpu_dropout_mask(x: Tensor, p: float) -> Tensor:
-    """A float mask shaped like x: 0 with probability p', else 1 / (1 - p'), with p' = p rounded to
-    a multiple of 2^-15 (0.1 -> 0.100006), so E[mask] = 1 exactly. One 64-bit draw (63 random bits)
-    gives four 15-bit uniforms; a float mask multiplies faster than a bool one (no conversions)."""
+def cpu_dropout_keep(x: Tensor, p: float) -> tuple[Tensor, float]:
+    """A bool mask shaped like x, False with probability p' = p rounded to a multiple of 2^-15
+    (0.1 -> 0.100006), and the scale 1 / (1 - p') that makes E[keep * scale] = 1 exactly. One
+    64-bit draw (63 random bits) gives four 15-bit uniforms."""
     threshold = round(p * 32768)
     n = x.numel()
     bits = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device).random_()  # uniform on [0, 2^63)
     keep = (bits.view(torch.int16)[:n] & 0x7FFF) >= threshold  # the low 15 bits of each 16
-    return keep.view(x.shape).to(x.dtype).mul_(32768 / (32768 - threshold))
+    return keep.view(x.shape), 32768 / (32768 - threshold)
 
 
 class FeedForward(nn.Sequential):

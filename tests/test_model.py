@@ -11,7 +11,7 @@ from torch import nn
 
 from mtrain.config import ModelConfig, load_config
 from mtrain.errors import MtrainError
-from mtrain.model import Dropout, Transformer, key_mask, sinusoids
+from mtrain.model import Dropout, Transformer, attend, key_mask, sinusoids
 
 ROOT = Path(__file__).resolve().parents[1]
 PAD = 0
@@ -326,6 +326,34 @@ def test_runs_under_bf16_autocast_with_float32_parameters():
             low = model(src, tgt)
     assert low.dtype == torch.bfloat16 and torch.isfinite(low.float()).all()
     assert (low.float() - full).abs().max().item() < 0.25  # bf16 keeps ~3 significant digits
+
+
+def test_bf16_attention_runs_in_float32_on_cpu():
+    """Under autocast, attend upcasts bf16 q/k/v (CPU bf16 attention kernels are slow) and autocast
+    must not cast them back: the result is float32 SDPA of the upcast inputs, bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 7, 8, generator=gen).bfloat16() for _ in range(3))
+    mask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])[:, None, None, :]
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = attend(q, k, v, mask, 0.0)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, expected)
+
+
+def test_bf16_cpu_dropout_scales_each_element_in_float32():
+    """bf16 has no exact 1/0.9: kept elements are round_bf16(x * 32768/29491) (p rounded to
+    3277/2^15), dropped ones 0, and the gradient is 0 exactly where the output was dropped."""
+    torch.manual_seed(0)
+    x = (torch.rand(400_000) + 0.5).bfloat16().requires_grad_()  # nonzero, so y == 0 means dropped
+    y = Dropout(0.1).train()(x)
+    assert y.dtype == torch.bfloat16
+    kept = y != 0
+    assert kept.float().mean().item() == pytest.approx(0.9, abs=0.005)
+    scale = 32768 / (32768 - 3277)
+    assert torch.equal(y[kept], (x.detach().float()[kept] * scale).bfloat16())
+    y.float().sum().backward()
+    assert torch.equal(x.grad == 0, ~kept)
 
 
 def test_cpu_dropout_drops_p_of_every_position_and_keeps_the_mean():

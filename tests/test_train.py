@@ -203,9 +203,11 @@ def test_kill_during_finish_resumes_into_finish(copy_data, tmp_path):
 
 # ---------------------------------------------------------------- it learns
 
-def test_tiny_model_learns_copy_task(copy_data, tmp_path):
-    """No smoothing, no dropout: the per-token NLL of copying must fall from ~ln(12) to near 0."""
-    result = run(copy_data, tmp_path, "train.max_steps=400", "train.eval_every=400", "train.save_every=400",
+@pytest.mark.parametrize("amp", ["off", "bf16"])
+def test_tiny_model_learns_copy_task(copy_data, tmp_path, amp):
+    """No smoothing, no dropout: the per-token NLL of copying must fall from ~ln(12) to near 0, in
+    float32 and under bfloat16 autocast on the CPU (train.amp=bf16) alike."""
+    result = run(copy_data, tmp_path, "train.max_steps=400", f"train.amp={amp}", "train.eval_every=400", "train.save_every=400",
                  "train.log_every=25", "train.label_smoothing=0", "model.dropout=0", "train.warmup_steps=50",
                  "train.lr_scale=0.3", "model.d_model=64", "model.d_ff=128", "model.n_heads=4",
                  "train.eval_max_sentences=0")
