@@ -180,9 +180,9 @@ def marian_step_fn(cfg: ModelConfig) -> tuple[Callable[[Batch], Tensor], nn.Modu
 
 # ---------------------------------------------------------------- measuring
 
-def matmul_peak_gflops(n: int = 2048, reps: int = 10) -> float:
-    """Best fp32 GFLOP/s of an n x n x n torch.matmul (2 n^3 FLOPs): the practical ceiling here."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_peak_gflops(n: int = 2048, reps: int = 10, dtype: torch.dtype = torch.float32) -> float:
+    """Best GFLOP/s of an n x n x n torch.matmul (2 n^3 FLOPs) in dtype: the practical ceiling here."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b  # warm up the BLAS threads
     best = math.inf
     for _ in range(reps):
@@ -211,10 +211,10 @@ def train_flops(batch: Batch, cfg: ModelConfig, project_pads: bool) -> float:
 
 
 def time_models(steps: dict[str, tuple[Callable, nn.Module, list[Batch]]], rounds: int, warmup: int,
-                amp: str) -> dict[str, np.ndarray]:
-    """Seconds of each step, (rounds, batches) per model. Models take turns batch by batch, so
-    load from other processes on a shared machine hits all of them alike."""
-    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if amp == "bf16" else contextlib.nullcontext
+                bf16: frozenset[str] = frozenset()) -> dict[str, np.ndarray]:
+    """Seconds of each step, (rounds, batches) per model; the models named in bf16 run under
+    bfloat16 autocast. Models take turns batch by batch, so load from other processes on a shared
+    machine hits all of them alike."""
     optimizers = {name: torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
                   for name, (_, model, _) in steps.items()}
 
@@ -222,7 +222,7 @@ def time_models(steps: dict[str, tuple[Callable, nn.Module, list[Batch]]], round
         loss_fn, _, _ = steps[name]
         optimizers[name].zero_grad(set_to_none=True)
         tokens = int((batch[2] != PAD).sum())
-        with autocast():
+        with torch.autocast("cpu", dtype=torch.bfloat16) if name in bf16 else contextlib.nullcontext():
             loss = loss_fn(batch) / tokens
         loss.backward()
         optimizers[name].step()
@@ -255,8 +255,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--compile", action="store_true", help="torch.compile mtrain's objective (as train.compile)")
-    p.add_argument("--amp", choices=["off", "bf16"], default="off",
-                   help="bf16 autocast for every model (CPUs with AMX/AVX512-BF16 run bf16 matmuls much faster)")
+    p.add_argument("--bf16", action="store_true",
+                   help="add mtrain under bfloat16 autocast (train.amp=bf16; fast on CPUs with AMX) and the bf16 matmul peak")
     p.add_argument("--no-hf", action="store_true", help="skip Hugging Face Marian even if installed")
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
@@ -283,13 +283,17 @@ def main(argv: list[str] | None = None) -> dict:
     marian = None if args.no_hf else marian_step_fn(cfg)
     if marian is not None:
         steps["HF Marian"] = (*marian, bucketed)
-    seconds = time_models(steps, args.rounds, warmup=2 if args.compile else 1, amp=args.amp)
+    if args.bf16:
+        steps["mtrain bf16"] = (*mtrain_step_fn(cfg, args.compile), bucketed)
+    seconds = time_models(steps, args.rounds, warmup=2 if args.compile else 1,
+                          bf16=frozenset({"mtrain bf16"}))
     peak = max(peak_before, matmul_peak_gflops())
+    bf16_peak = matmul_peak_gflops(dtype=torch.bfloat16) if args.bf16 else None
 
     rows = {}
     for name, (_, _, batches) in steps.items():
         tokens = args.rounds * sum(int((b[2] != PAD).sum()) for b in batches)
-        flops = args.rounds * sum(train_flops(b, cfg, project_pads=name != "mtrain") for b in batches)
+        flops = args.rounds * sum(train_flops(b, cfg, project_pads=not name.startswith("mtrain")) for b in batches)
         total, best = seconds[name].sum(), args.rounds * seconds[name].min(axis=0).sum()
         rows[name] = {"tok_s": tokens / total, "best_tok_s": tokens / best, "gflops": flops / total / 1e9,
                       "pad": padding_fraction(batches), "tokens_per_batch": tokens / args.rounds / len(batches)}
@@ -316,7 +320,10 @@ def main(argv: list[str] | None = None) -> dict:
         "padding_fraction_bucketed": round(rows["mtrain"]["pad"], 3),
         "padding_fraction_unbucketed": round(rows["nn.Transformer unbucketed"]["pad"], 3),
         "target_tokens_per_batch": round(rows["mtrain"]["tokens_per_batch"], 1),
-        "batches": args.batches, "rounds": args.rounds, "compile": args.compile, "amp": args.amp, "lengths": source,
+        "mtrain_bf16_tok_s": tok_s("mtrain bf16"),
+        "bf16_speedup": round(rows["mtrain bf16"]["tok_s"] / rows["mtrain"]["tok_s"], 3) if args.bf16 else None,
+        "bf16_matmul_peak_gflops": round(bf16_peak, 1) if bf16_peak else None,
+        "batches": args.batches, "rounds": args.rounds, "compile": args.compile, "lengths": source,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
         "shape": {"d_model": cfg.d_model, "d_ff": cfg.d_ff, "n_heads": cfg.n_heads, "layers": "3+3",
                   "vocab_size": cfg.vocab_size, "max_tokens": args.max_tokens},
@@ -325,6 +332,9 @@ def main(argv: list[str] | None = None) -> dict:
     for name, row in rows.items():
         log(f"{name:<28}{row['tok_s']:>11.0f}{row['best_tok_s']:>7.0f}{row['gflops']:>10.1f}{row['gflops'] / peak:>9.1%}"
             f"{row['pad']:>7.1%}{row['tokens_per_batch']:>15.0f}")
+    if bf16_peak:
+        log(f"bf16 matmul peak (2048^3): {bf16_peak:.1f} GFLOP/s; mtrain bf16 / mtrain fp32: {result['bf16_speedup']:.2f}x "
+            "('of peak' is against the fp32 peak)")
     log(f"fp32 matmul peak (2048^3): {peak:.1f} GFLOP/s; mtrain / nn.Transformer (same batches): "
         f"{result['speedup_vs_nn_transformer']:.2f}x, / nn.Transformer unbucketed: "
         f"{result['speedup_vs_nn_transformer_unbucketed']:.2f}x")
