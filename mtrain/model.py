@@ -121,7 +121,7 @@ class Dropout(nn.Dropout):
         if x.dtype == torch.float32:
             return x * keep.to(x.dtype).mul_(scale)  # a float mask multiplies faster than a bool one
         # bfloat16 has no exact 1 / (1 - p) (1/0.9 -> 1.109, a 0.2% bias): scale each element in
-        # float32 and round it, so E[output] = x still holds up to unbiased rounding.
+        # float32 and round it, so the error is each element's own rounding, not one shared bias.
         return x.mul(scale).mul_(keep)
 
 
