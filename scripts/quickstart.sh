@@ -16,16 +16,8 @@ fi
 python -c "import torch" 2>/dev/null || python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
 python -m pip install -q -e .
 
-# A checkout that sits beside a shared corpus folder (as on CI) uses that copy.
-if [ ! -f data/multi30k/train.de ] && [ -f ../shared/corpora/multi30k/train.de ]; then
-    mkdir -p data/multi30k
-    cp ../shared/corpora/multi30k/*.de ../shared/corpora/multi30k/*.en data/multi30k/
-fi
-if [ -f data/multi30k/train.de ]; then
-    source_args=(--data data/multi30k)
-else
-    source_args=(--hf-dataset bentrevett/multi30k)
-fi
+# The corpus: a local copy (filled from a shared folder beside the checkout) or Hugging Face.
+. scripts/multi30k_data.sh
 [ -f "$TOK/meta.json" ] || mtrain tokenize --config configs/quickstart.yaml "${source_args[@]}" --src de --tgt en --out "$TOK"
 mtrain train --config configs/quickstart.yaml --data "$TOK" --out "$RUN"
 # Score the average of the last step checkpoints (train.average_last), as the paper did.

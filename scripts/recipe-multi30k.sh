@@ -33,17 +33,8 @@ python -m pip install -q -e .
 # sacremoses (Moses tokenizer in Python) for the lowercased tokenized BLEU; pinned in benchmarks/requirements.txt.
 python -c "import sacremoses" 2>/dev/null || python -m pip install -q "$(grep -E '^sacremoses' benchmarks/requirements.txt | cut -d'#' -f1 | xargs)"
 
-# A checkout that sits beside a shared corpus folder (as on CI) uses that copy.
-SHARED=../shared/corpora/multi30k
-if [ ! -f data/multi30k/train.de ] && [ -f $SHARED/train.de ]; then
-    mkdir -p data/multi30k
-    cp $SHARED/*.de $SHARED/*.en data/multi30k/
-fi
-if [ -f data/multi30k/train.de ]; then
-    source_args=(--data data/multi30k)
-else
-    source_args=(--hf-dataset bentrevett/multi30k)
-fi
+# The corpus: a local copy (filled from a shared folder beside the checkout) or Hugging Face.
+. scripts/multi30k_data.sh
 # The Moses-tokenized, lowercased references of the Multi30k repo (the papers' BLEU); optional.
 . scripts/tok_bleu.sh
 TOKREF=$(find_tokref test2016 $TGT)
@@ -90,7 +81,7 @@ if [ -n "$TOKREF" ]; then
     tok_bleu "$RUN/test2016.hyp" "$TOKREF" $TGT "$RUN/test2016.hyp.lc.tok" "$RUN/test2016.tok-bleu.json"
     tok_args=(--tok-bleu "$RUN/test2016.tok-bleu.json")
 else
-    echo "note: no tok/test2016.lc.norm.tok.$TGT (data/multi30k/tok or $SHARED/tok); skipping tokenized BLEU" >&2
+    echo "note: no tok/test2016.lc.norm.tok.$TGT (data/multi30k/tok or $MULTI30K_SHARED/tok); skipping tokenized BLEU" >&2
 fi
 python scripts/recipe_report.py --run "$RUN" --sacrebleu "$RUN/test2016.sacrebleu.json" "${tok_args[@]}" \
     --meta direction=$DIR --meta config=$CONFIG --meta checkpoint="$CKPT" --meta decode="beam 5, lenpen $LENPEN" \

@@ -1,5 +1,6 @@
 """The Multi30k recipe: its configs resolve and dry-run on real data, the Moses lowercased
-tokenization matches the Multi30k repo's own, the report's wall-time arithmetic, the bench runner."""
+tokenization matches the Multi30k repo's own, the report's wall-time arithmetic, the bench runner,
+and the one helper that finds the corpus for quickstart.sh, recipe-multi30k.sh and .ci/run."""
 
 from __future__ import annotations
 
@@ -100,6 +101,31 @@ def test_recipe_dry_run_on_real_data(direction, tokenized_slice, tokenized_en_de
 def test_recipe_script_rejects_an_unknown_direction():
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "recipe-multi30k.sh"), "fr-en"], capture_output=True, text=True)
     assert proc.returncode == 2 and "usage:" in proc.stderr
+
+
+def _source_multi30k_data(repo: Path) -> subprocess.CompletedProcess:
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "scripts" / "multi30k_data.sh").write_text((ROOT / "scripts" / "multi30k_data.sh").read_text())
+    cmd = 'set -euo pipefail; . scripts/multi30k_data.sh; echo "${source_args[@]}"'
+    return subprocess.run(["bash", "-c", cmd], cwd=repo, capture_output=True, text=True, check=True)
+
+
+def test_data_helper_copies_a_shared_corpus_beside_the_checkout(tmp_path):
+    shared = tmp_path / "shared" / "corpora" / "multi30k"
+    shared.mkdir(parents=True)
+    for name in ("train.de", "train.en", "valid.de", "SOURCE.md"):
+        (shared / name).write_text(f"{name}\n")
+    proc = _source_multi30k_data(tmp_path / "repo")
+    assert proc.stdout.split() == ["--data", "data/multi30k"]
+    copied = sorted(p.name for p in (tmp_path / "repo" / "data" / "multi30k").iterdir())
+    assert copied == ["train.de", "train.en", "valid.de"]  # the corpus files only
+    assert (tmp_path / "repo" / "data" / "multi30k" / "valid.de").read_text() == "valid.de\n"
+
+
+def test_data_helper_falls_back_to_hugging_face_without_a_local_copy(tmp_path):
+    proc = _source_multi30k_data(tmp_path / "repo")
+    assert proc.stdout.split() == ["--hf-dataset", "bentrevett/multi30k"]
+    assert not (tmp_path / "repo" / "data").exists()
 
 
 # ---------------------------------------------------------------- Moses lowercased tokenization
