@@ -74,6 +74,11 @@ class TrainConfig:
     adam_eps: float = 1e-9
     weight_decay: float = 0.0
     label_smoothing: float = 0.1
+    # > 0: every epoch re-segments the training text by SentencePiece sampling, a pure function of
+    # (seed, epoch) so resume stays exact. Unigram models: the smoothing alpha of subword
+    # regularization (Kudo 2018; smaller = more varied and longer, 0.1 doubles the pieces per line);
+    # bpe models: the BPE-dropout rate (Provilkov et al. 2020). 0 = the cached deterministic ids.
+    sampling_alpha: float = 0.0
     clip_norm: float = 0.0  # 0 = no gradient clipping
     seed: int = 1
     log_every: int = 100
@@ -247,7 +252,8 @@ RANGES: dict[str, tuple[float, float | None]] = {
     **{f"train.{k}": (1, None) for k in ("max_tokens", "update_freq", "warmup_steps", "log_every", "save_every",
                                          "eval_every", "eval_beam", "max_nonfinite")},
     **{f"train.{k}": (0, None) for k in ("max_steps", "lr_scale", "weight_decay", "clip_norm", "eval_max_sentences",
-                                         "keep_last", "keep_every", "average_last", "patience", "num_threads", "adam_eps")},
+                                         "keep_last", "keep_every", "average_last", "patience", "num_threads", "adam_eps",
+                                         "sampling_alpha")},
     "train.label_smoothing": (0, 1), "train.adam_beta1": (0, 1), "train.adam_beta2": (0, 1),
 }
 

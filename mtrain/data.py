@@ -495,6 +495,37 @@ def load_stats(data_dir: str | Path) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------
+# Subword sampling
+# ----------------------------------------------------------------------------------------------
+class SubwordSampler:
+    """The training split re-segmented for each epoch by SentencePiece sampling (train.sampling_alpha).
+
+    Epoch e's ids are a pure function of (seed, e), so a resumed run sees the same segmentations
+    as an uninterrupted one. A line whose sampled pieces could not fit any batch of max_tokens
+    keeps its cached (deterministic) ids, so sampling never makes a corpus untrainable.
+    """
+
+    def __init__(self, split: Split, tokenizer: Tokenizer, alpha: float, seed: int, max_tokens: int) -> None:
+        self.split, self.tokenizer, self.alpha, self.seed, self.max_tokens = split, tokenizer, alpha, seed, max_tokens
+        self.text = (split.src_text(), split.tgt_text())
+        for side, lines in zip(SIDES, self.text):
+            if len(lines) != len(split):
+                raise MtrainError(
+                    f"{split.data_dir / f'{split.name}.{side}.txt'}: {len(lines)} lines but {len(split)} cached "
+                    f"sentences; re-run `mtrain tokenize --out {split.data_dir}`"
+                )
+
+    def __call__(self, epoch: int) -> Split:
+        src_seed, tgt_seed = (int(s) for s in np.random.default_rng([self.seed, epoch]).integers(1, 2**31, size=2))
+        src = self.tokenizer.sample_src(self.text[0], self.alpha, src_seed)
+        tgt = self.tokenizer.sample_tgt(self.text[1], self.alpha, tgt_seed)
+        for i, (s, t) in enumerate(zip(src, tgt)):
+            if max(len(s), len(t)) + 1 > self.max_tokens:  # + 1: EOS/BOS, as in make_batches
+                src[i], tgt[i] = self.split.src[i].tolist(), self.split.tgt[i].tolist()
+        return Split(self.split.name, Ragged(*to_ragged_arrays(src)), Ragged(*to_ragged_arrays(tgt)), self.split.data_dir)
+
+
+# ----------------------------------------------------------------------------------------------
 # Batching
 # ----------------------------------------------------------------------------------------------
 def make_batches(

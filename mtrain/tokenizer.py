@@ -149,6 +149,14 @@ class Tokenizer:
     def encode_tgt(self, lines: list[str]) -> list[list[int]]:
         return self._tgt.encode(list(lines), out_type=int, num_threads=os.cpu_count() or 1)
 
+    def sample_src(self, lines: list[str], alpha: float, seed: int) -> list[list[int]]:
+        """One sampled segmentation per line (subword regularization / BPE-dropout), repeatable:
+        the same (lines, alpha, seed) give the same ids."""
+        return _sample(self._src, lines, alpha, seed)
+
+    def sample_tgt(self, lines: list[str], alpha: float, seed: int) -> list[list[int]]:
+        return _sample(self._tgt, lines, alpha, seed)
+
     def decode_src(self, ids: list[list[int]]) -> list[str]:
         return _decode(self._src, ids)
 
@@ -172,6 +180,13 @@ class Tokenizer:
 
 
 _SKIP = frozenset((PAD_ID, BOS_ID, EOS_ID))
+
+
+def _sample(proc: spm.SentencePieceProcessor, lines: list[str], alpha: float, seed: int) -> list[list[int]]:
+    # One thread: each SentencePiece thread draws from its own generator, so with more threads the
+    # draws depend on how lines are shared out, and the result is not repeatable.
+    spm.set_random_generator_seed(seed)
+    return proc.encode(list(lines), out_type=int, enable_sampling=True, alpha=alpha, nbest_size=-1, num_threads=1)
 
 
 def _decode(proc: spm.SentencePieceProcessor, ids: list[list[int]]) -> list[str]:

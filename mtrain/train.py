@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -98,6 +98,11 @@ def target_tokens(tgt_lengths: np.ndarray, batches: list[np.ndarray]) -> int:
     return int(sum(int(tgt_lengths[b].sum()) + len(b) for b in batches))
 
 
+def stream_target_tokens(batches: list["Batch"]) -> int:
+    """target_tokens of stream batches, each counted in the split of its own epoch."""
+    return sum(target_tokens(b.split.tgt.lengths, [b.indices]) for b in batches)
+
+
 def model_config_for_data(cfg: Config, tokenizer: Any) -> Config:
     """Vocabulary sizes come from the tokenized data, not from the config file."""
     from mtrain.tokenizer import PAD_ID
@@ -123,34 +128,50 @@ def check_direction(cfg: Config, meta: dict[str, Any], data_dir: Path) -> None:
 
 # ---------------------------------------------------------------- data order
 
+class Batch(NamedTuple):
+    """A training batch: sentence indices into the split of the epoch it was drawn from."""
+
+    split: Any
+    indices: np.ndarray
+
+
 class BatchStream:
     """The endless sequence of training batches: epoch e's bucketed batch list (shuffled from
-    (seed, e)), then epoch e+1's. (epoch, index) is the whole position, so resume is exact."""
+    (seed, e)), then epoch e+1's. (epoch, index) is the whole position, so resume is exact.
+    With a sampler (subword sampling), epoch e's batches index the split sampler(e) returns."""
 
-    def __init__(self, split: Any, max_tokens: int, seed: int, epoch: int = 1, index: int = 0) -> None:
-        self.split, self.max_tokens, self.seed = split, max_tokens, seed
+    def __init__(self, split: Any, max_tokens: int, seed: int, epoch: int = 1, index: int = 0,
+                 sampler: Callable[[int], Any] | None = None) -> None:
+        self.split, self.max_tokens, self.seed, self.sampler = split, max_tokens, seed, sampler
         self.epoch, self.index = epoch, index
-        self._cached: tuple[int, list[np.ndarray]] | None = None
+        self._cached: tuple[int, Any, list[np.ndarray]] | None = None
 
-    def batches(self, epoch: int) -> list[np.ndarray]:
+    def _load(self, epoch: int) -> tuple[Any, list[np.ndarray]]:
         from mtrain import data
 
         if self._cached is None or self._cached[0] != epoch:
-            batches = data.make_batches(self.split.src.lengths, self.split.tgt.lengths, self.max_tokens,
+            split = self.split if self.sampler is None else self.sampler(epoch)
+            batches = data.make_batches(split.src.lengths, split.tgt.lengths, self.max_tokens,
                                         seed=self.seed, epoch=epoch, shuffle=True)
             if not batches:
                 raise MtrainError("training split is empty; check the tokenized data folder (mtrain tokenize)")
-            self._cached = (epoch, batches)
-        return self._cached[1]
+            self._cached = (epoch, split, batches)
+        return self._cached[1], self._cached[2]
 
-    def take(self, n: int) -> list[np.ndarray]:
+    def batches(self, epoch: int) -> list[np.ndarray]:
+        return self._load(epoch)[1]
+
+    def split_of(self, epoch: int) -> Any:
+        return self._load(epoch)[0]
+
+    def take(self, n: int) -> list[Batch]:
         out = []
         while len(out) < n:
-            batches = self.batches(self.epoch)
+            split, batches = self._load(self.epoch)
             if self.index >= len(batches):
                 self.epoch, self.index = self.epoch + 1, 0
                 continue
-            out.append(batches[self.index])
+            out.append(Batch(split, batches[self.index]))
             self.index += 1
         return out
 
@@ -271,7 +292,11 @@ class Trainer:
         self.train_split = data.load_split(data_dir, self.cfg.data.train_split)
         self.valid_split = data.load_split(data_dir, self.cfg.data.valid_split)
         self.state = TrainState()
-        self.stream = BatchStream(self.train_split, self.tcfg.max_tokens, self.tcfg.seed)
+        sampler = None
+        if self.tcfg.sampling_alpha > 0:
+            sampler = data.SubwordSampler(self.train_split, self.tokenizer, self.tcfg.sampling_alpha,
+                                          self.tcfg.seed, self.tcfg.max_tokens)
+        self.stream = BatchStream(self.train_split, self.tcfg.max_tokens, self.tcfg.seed, sampler=sampler)
         self._build_model()
 
     def _build_model(self) -> None:
@@ -356,7 +381,7 @@ class Trainer:
         when the loss was non-finite and the update was skipped."""
         t, world = self.tcfg, self.dist.world_size
         batches = self.stream.take(world * t.update_freq)  # the same list on every rank
-        total = target_tokens(self.train_split.tgt.lengths, batches)
+        total = stream_target_tokens(batches)
         mine = batches[self.dist.rank * t.update_freq:(self.dist.rank + 1) * t.update_freq]
         micro = [self._collate(b) for b in mine]
         step = self.state.step + 1
@@ -377,10 +402,10 @@ class Trainer:
         self.state.step = step
         return {"loss": sums[0], "nll": sums[1], "tokens": total, "lr": lr, "grad_norm": grad_norm}
 
-    def _collate(self, batch: np.ndarray) -> tuple[torch.Tensor, ...]:
+    def _collate(self, batch: Batch) -> tuple[torch.Tensor, ...]:
         from mtrain import data
 
-        return data.collate(self.train_split, batch, device=self.device)
+        return data.collate(batch.split, batch.indices, device=self.device)
 
     def _clip_and_step(self) -> float | None:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -654,7 +679,7 @@ class Run:
 
 def summarize(trainer: Trainer) -> dict[str, Any]:
     """The --dry-run report: model size and what the batches look like."""
-    split = trainer.train_split
+    split = trainer.stream.split_of(1)  # sampled segmentations when train.sampling_alpha > 0
     batches = trainer.stream.batches(1)
     padded = [len(b) * (max(int(split.src.lengths[b].max()), int(split.tgt.lengths[b].max())) + 1) for b in batches]
     real = [target_tokens(split.tgt.lengths, [b]) for b in batches]

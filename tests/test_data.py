@@ -306,3 +306,57 @@ def test_collate_real_batches(tokenized_slice):
             tgt, pad = split.tgt[index].tolist(), [0] * (tgt_in.shape[1] - len(split.tgt[index]) - 1)
             assert tgt_in[row].tolist() == [2] + tgt + pad and tgt_out[row].tolist() == tgt + [3] + pad
 
+
+
+# ---------------------------------------------------------------- subword sampling
+
+def test_subword_sampler_is_a_function_of_seed_and_epoch(tokenized_slice):
+    """Epoch e's sampled ids are the same whenever they are drawn (what exact resume needs),
+    differ between epochs, and are another segmentation of the very same text."""
+    from mtrain.data import SubwordSampler, load_tokenizer
+
+    split, tok = load_split(tokenized_slice, "train"), load_tokenizer(tokenized_slice)
+    a = SubwordSampler(split, tok, alpha=0.2, seed=1, max_tokens=4096)
+    b = SubwordSampler(split, tok, alpha=0.2, seed=1, max_tokens=4096)
+    e1, e2 = a(1), a(2)
+    assert np.array_equal(b(2).src.ids, e2.src.ids) and np.array_equal(a(1).tgt.ids, e1.tgt.ids)
+    n = len(split)
+    changed = [sum(not np.array_equal(s[i], split_side[i]) for i in range(n))
+               for s, split_side in ((e1.src, split.src), (e1.tgt, split.tgt))]
+    assert min(changed) > n // 4  # alpha 0.2 re-segments many lines
+    assert sum(not np.array_equal(e1.src[i], e2.src[i]) for i in range(n)) > n // 4
+    for sampled in (e1, e2):
+        assert tok.decode_src([sampled.src[i] for i in range(n)]) == tok.decode_src([split.src[i] for i in range(n)])
+        assert tok.decode_tgt([sampled.tgt[i] for i in range(n)]) == tok.decode_tgt([split.tgt[i] for i in range(n)])
+
+
+def test_subword_sampler_keeps_cached_ids_for_lines_too_long_to_batch(tokenized_slice):
+    """With max_tokens at the cached corpus's longest line, every sampled line that came out longer
+    falls back to its cached ids, and the epoch still batches."""
+    from mtrain.data import SubwordSampler, load_tokenizer
+
+    split, tok = load_split(tokenized_slice, "train"), load_tokenizer(tokenized_slice)
+    cost = np.maximum(split.src.lengths, split.tgt.lengths) + 1
+    max_tokens = int(cost.max())
+    free = SubwordSampler(split, tok, alpha=0.1, seed=3, max_tokens=10**6)(1)
+    capped = SubwordSampler(split, tok, alpha=0.1, seed=3, max_tokens=max_tokens)(1)
+    too_long = np.maximum(free.src.lengths, free.tgt.lengths) + 1 > max_tokens
+    assert too_long.any()  # alpha 0.1 about doubles the pieces, so the test has something to check
+    for i in range(len(split)):
+        expected = (split.src[i], split.tgt[i]) if too_long[i] else (free.src[i], free.tgt[i])
+        assert np.array_equal(capped.src[i], expected[0]) and np.array_equal(capped.tgt[i], expected[1])
+    _check_batches(make_batches(capped.src.lengths, capped.tgt.lengths, max_tokens, seed=1, epoch=1),
+                   capped.src.lengths, capped.tgt.lengths, max_tokens)
+
+
+def test_subword_sampler_refuses_text_that_does_not_match_the_ids(tokenized_slice, tmp_path):
+    import shutil
+
+    from mtrain.data import SubwordSampler, load_tokenizer
+
+    copy = tmp_path / "tok"
+    shutil.copytree(tokenized_slice, copy)
+    lines = (copy / "train.tgt.txt").read_text().splitlines(keepends=True)
+    (copy / "train.tgt.txt").write_text("".join(lines[:-1]))
+    with pytest.raises(MtrainError, match=r"train\.tgt\.txt: .* lines but .* cached sentences; re-run"):
+        SubwordSampler(load_split(copy, "train"), load_tokenizer(copy), alpha=0.2, seed=1, max_tokens=4096)

@@ -76,10 +76,15 @@ def test_accumulation_equals_one_big_batch(copy_data):
 
 # ---------------------------------------------------------------- resume and faults
 
-def test_exact_resume_is_bit_identical(copy_data, tmp_path, monkeypatch):
+@pytest.mark.parametrize("extra", [[], ["train.sampling_alpha=0.3", "train.update_freq=5"]],
+                         ids=["cached-ids", "subword-sampling"])
+def test_exact_resume_is_bit_identical(copy_data, tmp_path, monkeypatch, extra):
     """Stop at a save point (as SIGINT would), re-run the same command: every weight and every
-    Adam moment equals an uninterrupted run's, though validation ran in between."""
-    args = ["train.max_steps=12", "train.save_every=3", "train.eval_every=4", "train.eval_max_sentences=2"]
+    Adam moment equals an uninterrupted run's, though validation ran in between. With subword
+    sampling (12-13 batches an epoch here), 5 batches per update run through 5 epochs, some
+    updates mix two epochs' segmentations, and the stop falls inside epoch 3, whose sampling the
+    resumed run must redraw identically."""
+    args = ["train.max_steps=12", "train.save_every=3", "train.eval_every=4", "train.eval_max_sentences=2", *extra]
     full = run(copy_data, tmp_path / "full", *args)
     monkeypatch.setenv("MTRAIN_STOP_AT_STEP", "6")
     stopped = run(copy_data, tmp_path / "split", *args)
