@@ -4,12 +4,31 @@
 # is git-ignored because the corpus's terms (research and education only) forbid committing it.
 # Sets source_args to the `mtrain tokenize` options: the local copy if there is one, else the
 # Hugging Face dataset (which needs internet).
+# TEXT=lc-tok picks the Multi30k repo's own lowercased, Moses-tokenized files instead
+# (tok/*.lc.norm.tok.*: the text the papers' tokenized-BLEU baselines train on), copied under the
+# split names mtrain reads into data/multi30k-lctok/. The Hub dataset has no such files.
 MULTI30K_SHARED=../shared/corpora/multi30k
 if [ ! -f data/multi30k/train.de ] && [ -f "$MULTI30K_SHARED/train.de" ]; then
     mkdir -p data/multi30k
     cp "$MULTI30K_SHARED"/*.de "$MULTI30K_SHARED"/*.en data/multi30k/
 fi
-if [ -f data/multi30k/train.de ]; then
+if [ "${TEXT:-raw}" = lc-tok ]; then
+    if [ ! -f data/multi30k-lctok/test2016.en ]; then
+        lctok_from=""
+        for dir in data/multi30k/tok "$MULTI30K_SHARED/tok"; do
+            if [ -f "$dir/train.lc.norm.tok.de" ]; then lctok_from=$dir; break; fi
+        done
+        if [ -z "$lctok_from" ]; then
+            echo "TEXT=lc-tok: no train.lc.norm.tok.de in data/multi30k/tok or $MULTI30K_SHARED/tok; copy data/task1/tok/ of github.com/multi30k/dataset to data/multi30k/tok, or use TEXT=raw" >&2
+            return 2
+        fi
+        mkdir -p data/multi30k-lctok
+        for split in train valid test2016; do
+            for lang in de en; do cp "$lctok_from/$split.lc.norm.tok.$lang" "data/multi30k-lctok/$split.$lang"; done
+        done
+    fi
+    source_args=(--data data/multi30k-lctok)
+elif [ -f data/multi30k/train.de ]; then
     source_args=(--data data/multi30k)
 else
     source_args=(--hf-dataset bentrevett/multi30k)

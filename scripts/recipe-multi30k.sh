@@ -10,6 +10,9 @@
 # On a quiet 2-core machine max_steps ends first (de-en: 92.6 min measured, see docs/recipe.md).
 # RUN=... and TOK=... override the run and tokenized-data folders; EVAL_LINES=N scores only the first
 # N test sentences (a smoke test of the script, not a result).
+# TEXT=lc-tok trains on the Multi30k repo's lowercased Moses-tokenized files (tok/*.lc.norm.tok.*), as the
+# papers' tokenized-BLEU baselines do, into runs/multi30k-<dir>-lctok; every score is then lowercased
+# tokenized (there is no cased output to score). The default TEXT=raw trains on the original text.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${1:-de-en}
@@ -19,9 +22,15 @@ case "$DIR" in
     en-de) SRC=en TGT=de ;;
     *) echo "usage: $0 [de-en|en-de] [mtrain train options]" >&2; exit 2 ;;
 esac
+export TEXT=${TEXT:-raw}
+case "$TEXT" in
+    raw) VARIANT="" ;;
+    lc-tok) VARIANT=-lctok ;;
+    *) echo "TEXT=$TEXT: use TEXT=raw (the original text, the default) or TEXT=lc-tok" >&2; exit 2 ;;
+esac
 CONFIG=configs/multi30k-$DIR.yaml
-TOK=${TOK:-data/multi30k-tok-$DIR}
-RUN=${RUN:-runs/multi30k-$DIR}
+TOK=${TOK:-data/multi30k-tok-$DIR$VARIANT}
+RUN=${RUN:-runs/multi30k-$DIR$VARIANT}
 
 if [ -z "${VIRTUAL_ENV:-}" ]; then
     [ -d .venv ] || python3 -m venv .venv
@@ -74,8 +83,10 @@ fi
 # The length penalty is the config's decode.lenpen (chosen on the valid split; see docs/recipe.md).
 LENPEN=$(python -c "from mtrain.config import load_config; print(load_config('$CONFIG').decode.lenpen)")
 echo "scoring $CKPT on test2016 (beam 5, lenpen $LENPEN)" >&2
+# Trained on lowercased tokenized text, the output has that form too: score it as it is.
+score_args=(); [ "$TEXT" = lc-tok ] && score_args=(--lowercase --tokenize none)
 mtrain eval --checkpoint "$CKPT" --src "$TEST_SRC" --ref "$TEST_REF" --beam 5 --lenpen "$LENPEN" \
-    --output-hyp "$RUN/test2016.hyp" --json > "$RUN/test2016.sacrebleu.json"
+    --output-hyp "$RUN/test2016.hyp" "${score_args[@]}" --json > "$RUN/test2016.sacrebleu.json"
 tok_args=()
 if [ -n "$TOKREF" ]; then
     tok_bleu "$RUN/test2016.hyp" "$TOKREF" $TGT "$RUN/test2016.hyp.lc.tok" "$RUN/test2016.tok-bleu.json"
@@ -85,5 +96,5 @@ else
 fi
 python scripts/recipe_report.py --run "$RUN" --sacrebleu "$RUN/test2016.sacrebleu.json" "${tok_args[@]}" \
     --meta direction=$DIR --meta config=$CONFIG --meta checkpoint="$CKPT" --meta decode="beam 5, lenpen $LENPEN" \
-    --meta tok_ref="${TOKREF:-none}" --meta eval_lines="${EVAL_LINES:-all}" --meta train_hours_cap="${TRAIN_HOURS:-2.75}"
+    --meta text=$TEXT --meta tok_ref="${TOKREF:-none}" --meta eval_lines="${EVAL_LINES:-all}" --meta train_hours_cap="${TRAIN_HOURS:-2.75}"
 cat "$RUN/results.json"

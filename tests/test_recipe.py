@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,11 +105,12 @@ def test_recipe_script_rejects_an_unknown_direction():
     assert proc.returncode == 2 and "usage:" in proc.stderr
 
 
-def _source_multi30k_data(repo: Path) -> subprocess.CompletedProcess:
+def _source_multi30k_data(repo: Path, text: str = "raw", check: bool = True) -> subprocess.CompletedProcess:
     (repo / "scripts").mkdir(parents=True)
     (repo / "scripts" / "multi30k_data.sh").write_text((ROOT / "scripts" / "multi30k_data.sh").read_text())
     cmd = 'set -euo pipefail; . scripts/multi30k_data.sh; echo "${source_args[@]}"'
-    return subprocess.run(["bash", "-c", cmd], cwd=repo, capture_output=True, text=True, check=True)
+    env = {**os.environ, "TEXT": text}
+    return subprocess.run(["bash", "-c", cmd], cwd=repo, capture_output=True, text=True, check=check, env=env)
 
 
 def test_data_helper_copies_a_shared_corpus_beside_the_checkout(tmp_path):
@@ -126,6 +129,46 @@ def test_data_helper_falls_back_to_hugging_face_without_a_local_copy(tmp_path):
     proc = _source_multi30k_data(tmp_path / "repo")
     assert proc.stdout.split() == ["--hf-dataset", "bentrevett/multi30k"]
     assert not (tmp_path / "repo" / "data").exists()
+
+
+def test_data_helper_renames_the_lowercased_tokenized_files_for_text_lc_tok(tmp_path):
+    shared = tmp_path / "shared" / "corpora" / "multi30k"
+    (shared / "tok").mkdir(parents=True)
+    for name in ("train.de", "train.en"):
+        (shared / name).write_text("Raw text.\n")
+    for split in ("train", "valid", "test2016"):
+        for lang in ("de", "en"):
+            (shared / "tok" / f"{split}.lc.norm.tok.{lang}").write_text(f"{split} {lang} .\n")
+    proc = _source_multi30k_data(tmp_path / "repo", text="lc-tok")
+    assert proc.stdout.split() == ["--data", "data/multi30k-lctok"]
+    lctok = tmp_path / "repo" / "data" / "multi30k-lctok"
+    assert sorted(p.name for p in lctok.iterdir()) == [f"{s}.{l}" for s in ("test2016", "train", "valid") for l in ("de", "en")]
+    assert (lctok / "valid.en").read_text() == "valid en .\n"  # tok/valid.lc.norm.tok.en, renamed
+
+
+def test_data_helper_without_tokenized_files_says_where_to_get_them(tmp_path):
+    proc = _source_multi30k_data(tmp_path / "repo", text="lc-tok", check=False)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "TEXT=lc-tok" in proc.stderr and "multi30k/dataset" in proc.stderr and len(proc.stderr.splitlines()) == 1
+
+
+def test_recipe_script_rejects_an_unknown_text():
+    env = {**os.environ, "TEXT": "cased"}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "recipe-multi30k.sh"), "en-de"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 2 and "TEXT=lc-tok" in proc.stderr
+
+
+def test_tok_bleu_scores_lc_tok_output_as_it_is(tmp_path):
+    # The model of TEXT=lc-tok writes the references' own form ("&apos;" included): identical lines
+    # must score 100, which re-tokenizing (escaping "&" again) would break.
+    line = "ein mann &apos;s hund , der läuft .\n"
+    (tmp_path / "hyp").write_text(line * 3)
+    (tmp_path / "ref").write_text(line * 3)
+    cmd = f'set -euo pipefail; . "{ROOT}/scripts/tok_bleu.sh"; tok_bleu hyp ref de hyp.tok out.json'
+    env = {**os.environ, "TEXT": "lc-tok", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    subprocess.run(["bash", "-c", cmd], cwd=tmp_path, check=True, env=env)
+    assert (tmp_path / "hyp.tok").read_text() == line * 3
+    assert json.loads((tmp_path / "out.json").read_text())["bleu"] == pytest.approx(100.0)
 
 
 # ---------------------------------------------------------------- Moses lowercased tokenization
