@@ -5,7 +5,7 @@
 # Sets source_args to the `mtrain tokenize` options: the local copy if there is one, else the
 # Hugging Face dataset (which needs internet).
 # TEXT=lc-tok picks the Multi30k repo's own lowercased, Moses-tokenized files instead
-# (tok/*.lc.norm.tok.*: the text the papers' tokenized-BLEU baselines train on), copied under the
+# (tok/*.lc.norm.tok.*: the form papers reporting tokenized BLEU usually train on), copied under the
 # split names mtrain reads into data/multi30k-lctok/. The Hub dataset has no such files.
 MULTI30K_SHARED=../shared/corpora/multi30k
 if [ ! -f data/multi30k/train.de ] && [ -f "$MULTI30K_SHARED/train.de" ]; then

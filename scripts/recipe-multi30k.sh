@@ -11,7 +11,7 @@
 # RUN=... and TOK=... override the run and tokenized-data folders; EVAL_LINES=N scores only the first
 # N test sentences (a smoke test of the script, not a result).
 # TEXT=lc-tok trains on the Multi30k repo's lowercased Moses-tokenized files (tok/*.lc.norm.tok.*), as the
-# papers' tokenized-BLEU baselines do, into runs/multi30k-<dir>-lctok; every score is then lowercased
+# papers reporting tokenized BLEU usually do, into runs/multi30k-<dir>-lctok; every score is then lowercased
 # tokenized (there is no cased output to score). The default TEXT=raw trains on the original text.
 set -euo pipefail
 cd "$(dirname "$0")/.."
