@@ -4,7 +4,7 @@
 # is git-ignored because the corpus's terms (research and education only) forbid committing it.
 # Sets source_args to the `mtrain tokenize` options: the local copy if there is one, else the
 # Hugging Face dataset (which needs internet).
-# TEXT=lc-tok picks the Multi30k repo's own lowercased, Moses-tokenized files instead
+# MULTI30K_TEXT=lc-tok picks the Multi30k repo's own lowercased, Moses-tokenized files instead
 # (tok/*.lc.norm.tok.*: the form papers reporting tokenized BLEU usually train on), copied under the
 # split names mtrain reads into data/multi30k-lctok/. The Hub dataset has no such files.
 MULTI30K_SHARED=../shared/corpora/multi30k
@@ -12,14 +12,14 @@ if [ ! -f data/multi30k/train.de ] && [ -f "$MULTI30K_SHARED/train.de" ]; then
     mkdir -p data/multi30k
     cp "$MULTI30K_SHARED"/*.de "$MULTI30K_SHARED"/*.en data/multi30k/
 fi
-if [ "${TEXT:-raw}" = lc-tok ]; then
+if [ "${MULTI30K_TEXT:-raw}" = lc-tok ]; then
     if [ ! -f data/multi30k-lctok/test2016.en ]; then
         lctok_from=""
         for dir in data/multi30k/tok "$MULTI30K_SHARED/tok"; do
             if [ -f "$dir/train.lc.norm.tok.de" ]; then lctok_from=$dir; break; fi
         done
         if [ -z "$lctok_from" ]; then
-            echo "TEXT=lc-tok: no train.lc.norm.tok.de in data/multi30k/tok or $MULTI30K_SHARED/tok; copy data/task1/tok/ of github.com/multi30k/dataset to data/multi30k/tok, or use TEXT=raw" >&2
+            echo "MULTI30K_TEXT=lc-tok: no train.lc.norm.tok.de in data/multi30k/tok or $MULTI30K_SHARED/tok; copy data/task1/tok/ of github.com/multi30k/dataset to data/multi30k/tok, or use MULTI30K_TEXT=raw" >&2
             return 2
         fi
         mkdir -p data/multi30k-lctok

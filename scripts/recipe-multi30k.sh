@@ -10,9 +10,9 @@
 # On a quiet 2-core machine max_steps ends first (de-en: 92.6 min measured, see docs/recipe.md).
 # RUN=... and TOK=... override the run and tokenized-data folders; EVAL_LINES=N scores only the first
 # N test sentences (a smoke test of the script, not a result).
-# TEXT=lc-tok trains on the Multi30k repo's lowercased Moses-tokenized files (tok/*.lc.norm.tok.*), as the
+# MULTI30K_TEXT=lc-tok trains on the Multi30k repo's lowercased Moses-tokenized files (tok/*.lc.norm.tok.*), as the
 # papers reporting tokenized BLEU usually do, into runs/multi30k-<dir>-lctok; every score is then lowercased
-# tokenized (there is no cased output to score). The default TEXT=raw trains on the original text.
+# tokenized (there is no cased output to score). The default MULTI30K_TEXT=raw trains on the original text.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${1:-de-en}
@@ -22,11 +22,11 @@ case "$DIR" in
     en-de) SRC=en TGT=de ;;
     *) echo "usage: $0 [de-en|en-de] [mtrain train options]" >&2; exit 2 ;;
 esac
-export TEXT=${TEXT:-raw}
-case "$TEXT" in
+export MULTI30K_TEXT=${MULTI30K_TEXT:-raw}
+case "$MULTI30K_TEXT" in
     raw) VARIANT="" ;;
     lc-tok) VARIANT=-lctok ;;
-    *) echo "TEXT=$TEXT: use TEXT=raw (the original text, the default) or TEXT=lc-tok" >&2; exit 2 ;;
+    *) echo "MULTI30K_TEXT=$MULTI30K_TEXT: use MULTI30K_TEXT=raw (the original text, the default) or MULTI30K_TEXT=lc-tok" >&2; exit 2 ;;
 esac
 CONFIG=configs/multi30k-$DIR.yaml
 TOK=${TOK:-data/multi30k-tok-$DIR$VARIANT}
@@ -84,7 +84,7 @@ fi
 LENPEN=$(python -c "from mtrain.config import load_config; print(load_config('$CONFIG').decode.lenpen)")
 echo "scoring $CKPT on test2016 (beam 5, lenpen $LENPEN)" >&2
 # Trained on lowercased tokenized text, the output has that form too: score it as it is.
-score_args=(); [ "$TEXT" = lc-tok ] && score_args=(--lowercase --tokenize none)
+score_args=(); [ "$MULTI30K_TEXT" = lc-tok ] && score_args=(--lowercase --tokenize none)
 mtrain eval --checkpoint "$CKPT" --src "$TEST_SRC" --ref "$TEST_REF" --beam 5 --lenpen "$LENPEN" \
     --output-hyp "$RUN/test2016.hyp" "${score_args[@]}" --json > "$RUN/test2016.sacrebleu.json"
 tok_args=()
@@ -96,5 +96,5 @@ else
 fi
 python scripts/recipe_report.py --run "$RUN" --sacrebleu "$RUN/test2016.sacrebleu.json" "${tok_args[@]}" \
     --meta direction=$DIR --meta config=$CONFIG --meta checkpoint="$CKPT" --meta decode="beam 5, lenpen $LENPEN" \
-    --meta text=$TEXT --meta tok_ref="${TOKREF:-none}" --meta eval_lines="${EVAL_LINES:-all}" --meta train_hours_cap="${TRAIN_HOURS:-2.75}"
+    --meta text=$MULTI30K_TEXT --meta tok_ref="${TOKREF:-none}" --meta eval_lines="${EVAL_LINES:-all}" --meta train_hours_cap="${TRAIN_HOURS:-2.75}"
 cat "$RUN/results.json"

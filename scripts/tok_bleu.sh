@@ -12,10 +12,10 @@ find_tokref() {
 
 # tok_bleu HYP TOKREF LANG TOK_OUT JSON_OUT: lowercase + Moses-tokenize the detokenized hypotheses
 # HYP the way the references were made (into TOK_OUT), then score them against TOKREF with no further
-# tokenization (the JSON of `mtrain eval --json` into JSON_OUT). Under TEXT=lc-tok the model was trained
+# tokenization (the JSON of `mtrain eval --json` into JSON_OUT). Under MULTI30K_TEXT=lc-tok the model was trained
 # on the tokenized files and already writes that form; tokenizing again would escape its "&apos;" twice.
 tok_bleu() {
-    if [ "${TEXT:-raw}" = lc-tok ]; then
+    if [ "${MULTI30K_TEXT:-raw}" = lc-tok ]; then
         cp "$1" "$4"
     else
         python scripts/eval_tok.py --lang "$3" --input "$1" --output "$4"

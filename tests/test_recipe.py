@@ -109,7 +109,7 @@ def _source_multi30k_data(repo: Path, text: str = "raw", check: bool = True) -> 
     (repo / "scripts").mkdir(parents=True)
     (repo / "scripts" / "multi30k_data.sh").write_text((ROOT / "scripts" / "multi30k_data.sh").read_text())
     cmd = 'set -euo pipefail; . scripts/multi30k_data.sh; echo "${source_args[@]}"'
-    env = {**os.environ, "TEXT": text}
+    env = {**os.environ, "MULTI30K_TEXT": text}
     return subprocess.run(["bash", "-c", cmd], cwd=repo, capture_output=True, text=True, check=check, env=env)
 
 
@@ -149,23 +149,23 @@ def test_data_helper_renames_the_lowercased_tokenized_files_for_text_lc_tok(tmp_
 def test_data_helper_without_tokenized_files_says_where_to_get_them(tmp_path):
     proc = _source_multi30k_data(tmp_path / "repo", text="lc-tok", check=False)
     assert proc.returncode == 2 and proc.stdout == ""
-    assert "TEXT=lc-tok" in proc.stderr and "multi30k/dataset" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    assert "MULTI30K_TEXT=lc-tok" in proc.stderr and "multi30k/dataset" in proc.stderr and len(proc.stderr.splitlines()) == 1
 
 
 def test_recipe_script_rejects_an_unknown_text():
-    env = {**os.environ, "TEXT": "cased"}
+    env = {**os.environ, "MULTI30K_TEXT": "cased"}
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "recipe-multi30k.sh"), "en-de"], capture_output=True, text=True, env=env)
-    assert proc.returncode == 2 and "TEXT=lc-tok" in proc.stderr
+    assert proc.returncode == 2 and "MULTI30K_TEXT=lc-tok" in proc.stderr
 
 
 def test_tok_bleu_scores_lc_tok_output_as_it_is(tmp_path):
-    # The model of TEXT=lc-tok writes the references' own form ("&apos;" included): identical lines
+    # The model of MULTI30K_TEXT=lc-tok writes the references' own form ("&apos;" included): identical lines
     # must score 100, which re-tokenizing (escaping "&" again) would break.
     line = "ein mann &apos;s hund , der läuft .\n"
     (tmp_path / "hyp").write_text(line * 3)
     (tmp_path / "ref").write_text(line * 3)
     cmd = f'set -euo pipefail; . "{ROOT}/scripts/tok_bleu.sh"; tok_bleu hyp ref de hyp.tok out.json'
-    env = {**os.environ, "TEXT": "lc-tok", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env = {**os.environ, "MULTI30K_TEXT": "lc-tok", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     subprocess.run(["bash", "-c", cmd], cwd=tmp_path, check=True, env=env)
     assert (tmp_path / "hyp.tok").read_text() == line * 3
     assert json.loads((tmp_path / "out.json").read_text())["bleu"] == pytest.approx(100.0)
