@@ -174,7 +174,9 @@ def main(argv: list[str] | None = None) -> None:
     if rows:
         plot_curve(rows, args.run / "bleu_vs_time.png", meta.get("direction", ""), results["bleu"])
     tok_text = f"{results['tok_bleu_lc']:.2f}" if results["tok_bleu_lc"] is not None else "n/a"
-    print(f"test2016 cased sacreBLEU {results['bleu']:.2f}  chrF {results['chrf']:.2f}  TER {results['ter']:.2f}  "
+    # A MULTI30K_TEXT=lc-tok run is scored lowercased throughout; its signature says so.
+    case = "lowercased" if "case:lc" in str((results.get("signatures") or {}).get("bleu", "")) else "cased"
+    print(f"test2016 {case} sacreBLEU {results['bleu']:.2f}  chrF {results['chrf']:.2f}  TER {results['ter']:.2f}  "
           f"lowercased tokenized BLEU {tok_text}", file=sys.stderr)
     print(f"training: {results['train_steps']} updates in {results['train_wall_s'] / 60:.1f} min "
           f"(best valid BLEU {results['best_valid_bleu']}); wrote {args.run / 'results.json'}, "
