@@ -14,14 +14,13 @@ if [ ! -f data/multi30k/train.de ] && [ -f "$MULTI30K_SHARED/train.de" ]; then
 fi
 if [ "${MULTI30K_TEXT:-raw}" = lc-tok ]; then
     if [ ! -f data/multi30k-lctok/test2016.en ]; then
-        lctok_from=""
-        for dir in data/multi30k/tok "$MULTI30K_SHARED/tok"; do
-            if [ -f "$dir/train.lc.norm.tok.de" ]; then lctok_from=$dir; break; fi
-        done
-        if [ -z "$lctok_from" ]; then
+        . scripts/tok_bleu.sh  # find_tokref: the one place that knows where tok/ lives
+        lctok_train=$(find_tokref train de)
+        if [ -z "$lctok_train" ]; then
             echo "MULTI30K_TEXT=lc-tok: no train.lc.norm.tok.de in data/multi30k/tok or $MULTI30K_SHARED/tok; copy data/task1/tok/ of github.com/multi30k/dataset to data/multi30k/tok, or use MULTI30K_TEXT=raw" >&2
             return 2
         fi
+        lctok_from=$(dirname "$lctok_train")
         mkdir -p data/multi30k-lctok
         for split in train valid test2016; do
             for lang in de en; do cp "$lctok_from/$split.lc.norm.tok.$lang" "data/multi30k-lctok/$split.$lang"; done

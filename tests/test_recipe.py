@@ -107,7 +107,8 @@ def test_recipe_script_rejects_an_unknown_direction():
 
 def _source_multi30k_data(repo: Path, text: str = "raw", check: bool = True) -> subprocess.CompletedProcess:
     (repo / "scripts").mkdir(parents=True)
-    (repo / "scripts" / "multi30k_data.sh").write_text((ROOT / "scripts" / "multi30k_data.sh").read_text())
+    for name in ("multi30k_data.sh", "tok_bleu.sh"):  # the data helper finds tok/ with tok_bleu.sh's find_tokref
+        (repo / "scripts" / name).write_text((ROOT / "scripts" / name).read_text())
     cmd = 'set -euo pipefail; . scripts/multi30k_data.sh; echo "${source_args[@]}"'
     env = {**os.environ, "MULTI30K_TEXT": text}
     return subprocess.run(["bash", "-c", cmd], cwd=repo, capture_output=True, text=True, check=check, env=env)
