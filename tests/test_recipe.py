@@ -107,10 +107,11 @@ def test_recipe_script_rejects_an_unknown_direction():
 
 def _source_multi30k_data(repo: Path, text: str = "raw", check: bool = True) -> subprocess.CompletedProcess:
     (repo / "scripts").mkdir(parents=True)
-    for name in ("multi30k_data.sh", "tok_bleu.sh"):  # the data helper finds tok/ with tok_bleu.sh's find_tokref
+    # The data helper finds tok/ with tok_bleu.sh's find_tokref, and makes lc-tok text with eval_tok.py.
+    for name in ("multi30k_data.sh", "tok_bleu.sh", "eval_tok.py"):
         (repo / "scripts" / name).write_text((ROOT / "scripts" / name).read_text())
     cmd = 'set -euo pipefail; . scripts/multi30k_data.sh; echo "${source_args[@]}"'
-    env = {**os.environ, "MULTI30K_TEXT": text}
+    env = {**os.environ, "MULTI30K_TEXT": text, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     return subprocess.run(["bash", "-c", cmd], cwd=repo, capture_output=True, text=True, check=check, env=env)
 
 
@@ -147,10 +148,44 @@ def test_data_helper_renames_the_lowercased_tokenized_files_for_text_lc_tok(tmp_
     assert (lctok / "valid.en").read_text() == "valid en .\n"  # tok/valid.lc.norm.tok.en, renamed
 
 
+def test_data_helper_makes_lc_tok_text_from_the_raw_copy_without_a_tok_folder(tmp_path):
+    pytest.importorskip("sacremoses")
+    shared = tmp_path / "shared" / "corpora" / "multi30k"
+    shared.mkdir(parents=True)
+    for split in ("train", "valid", "test2016"):
+        for lang in ("de", "en"):
+            (shared / f"{split}.{lang}").write_text(f'A {split} {lang} "Dog".\n')
+    proc = _source_multi30k_data(tmp_path / "repo", text="lc-tok")
+    assert proc.stdout.split() == ["--data", "data/multi30k-lctok"] and "eval_tok.py" in proc.stderr
+    lctok = tmp_path / "repo" / "data" / "multi30k-lctok"
+    assert sorted(p.name for p in lctok.iterdir()) == [f"{s}.{l}" for s in ("test2016", "train", "valid") for l in ("de", "en")]
+    # lowercased; English normalization moves the full stop inside the closing quote, German does not
+    assert (lctok / "valid.en").read_text() == "a valid en &quot; dog . &quot;\n"
+    assert (lctok / "valid.de").read_text() == "a valid de &quot; dog &quot; .\n"
+
+
 def test_data_helper_without_tokenized_files_says_where_to_get_them(tmp_path):
     proc = _source_multi30k_data(tmp_path / "repo", text="lc-tok", check=False)
     assert proc.returncode == 2 and proc.stdout == ""
     assert "MULTI30K_TEXT=lc-tok" in proc.stderr and "multi30k/dataset" in proc.stderr and len(proc.stderr.splitlines()) == 1
+
+
+def _recipe_plan(direction: str, **env: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("MULTI30K_TEXT", "RUN", "TOK")} | {"DRY_RUN": "1", **env}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "recipe-multi30k.sh"), direction],
+                          capture_output=True, text=True, env=env, check=True)
+    return dict(item.split("=", 1) for item in proc.stdout.split())
+
+
+def test_recipe_text_defaults_per_direction():
+    # Each direction trains on the text that won on its valid split (docs/recipe.md).
+    assert _recipe_plan("de-en") == {"direction": "de-en", "text": "raw", "config": "configs/multi30k-de-en.yaml",
+                                     "tok": "data/multi30k-tok-de-en", "run": "runs/multi30k-de-en"}
+    assert _recipe_plan("en-de") == {"direction": "en-de", "text": "lc-tok", "config": "configs/multi30k-en-de.yaml",
+                                     "tok": "data/multi30k-tok-en-de-lctok", "run": "runs/multi30k-en-de-lctok"}
+    # An explicit choice wins over the default, and names its own folders.
+    assert _recipe_plan("en-de", MULTI30K_TEXT="raw")["run"] == "runs/multi30k-en-de"
+    assert _recipe_plan("de-en", MULTI30K_TEXT="lc-tok", RUN="/tmp/r")["run"] == "/tmp/r"
 
 
 def test_recipe_script_rejects_an_unknown_text():
