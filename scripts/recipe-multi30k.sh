@@ -14,6 +14,7 @@
 # papers reporting tokenized BLEU usually do, into runs/multi30k-<dir>-lctok; every score is then lowercased
 # tokenized (there is no cased output to score). MULTI30K_TEXT=raw trains on the original text.
 # Defaults, each chosen on the valid split (docs/recipe.md): de-en raw, en-de lc-tok.
+# LENPEN=x scores with length penalty x instead of the config's decode.lenpen.
 # DRY_RUN=1 prints the resolved direction, text, config and folders and exits.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -85,8 +86,9 @@ if [ -n "${EVAL_LINES:-}" ]; then
     head -n "$EVAL_LINES" "$TEST_REF" > "$RUN/eval-subset/ref"; TEST_REF="$RUN/eval-subset/ref"
     if [ -n "$TOKREF" ]; then head -n "$EVAL_LINES" "$TOKREF" > "$RUN/eval-subset/tokref"; TOKREF="$RUN/eval-subset/tokref"; fi
 fi
-# The length penalty is the config's decode.lenpen (chosen on the valid split; see docs/recipe.md).
-LENPEN=$(python -c "from mtrain.config import load_config; print(load_config('$CONFIG').decode.lenpen)")
+# The length penalty is the config's decode.lenpen (chosen on the valid split; see docs/recipe.md),
+# unless LENPEN=x is given (e.g. a text or setting whose own valid sweep chose another one).
+LENPEN=${LENPEN:-$(python -c "from mtrain.config import load_config; print(load_config('$CONFIG').decode.lenpen)")}
 echo "scoring $CKPT on test2016 (beam 5, lenpen $LENPEN)" >&2
 # Trained on lowercased tokenized text, the output has that form too: score it as it is.
 score_args=(); [ "$MULTI30K_TEXT" = lc-tok ] && score_args=(--lowercase --tokenize none)

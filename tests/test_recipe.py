@@ -301,3 +301,21 @@ def test_bench_runner_reads_the_last_json_line_and_tabulates():
     text = bench.table([{"name": "train_step", "wall_s": 3.0, "result": {"mtrain_tok_s": 1234.5}},
                         {"name": "decode", "wall_s": 1.0, "result": None, "error": "exit status 1"}])
     assert "1,234.5" in text and "FAILED: exit status 1" in text
+
+
+@pytest.mark.slow
+def test_recipe_script_end_to_end_smoke(multi30k_dir, tmp_path):
+    # The whole script on the en-de default (lc-tok text) for a few updates: tokenize, train, average,
+    # score 10 test lines at LENPEN, report. The scores of 4 updates mean nothing; the plumbing does.
+    env = {k: v for k, v in os.environ.items() if k != "MULTI30K_TEXT"}
+    env |= {"VIRTUAL_ENV": sys.prefix, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+            "RUN": str(tmp_path / "run"), "TOK": str(tmp_path / "tok"), "EVAL_LINES": "10", "LENPEN": "1.0"}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "recipe-multi30k.sh"), "en-de", "--max-steps", "4"],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["text"] == "lc-tok" and results["decode"] == "beam 5, lenpen 1.0" and results["eval_lines"] == "10"
+    assert results["train_steps"] == 4
+    # Trained on lowercased tokenized text, test2016 is scored as it is: lowercased, no re-tokenization.
+    assert results["tok_bleu_lc_signature"].startswith("nrefs:1|case:lc|eff:no|tok:none")
+    assert len((tmp_path / "run" / "test2016.hyp").read_text().splitlines()) == 10
