@@ -24,12 +24,13 @@ if [ "${MULTI30K_TEXT:-raw}" = lc-tok ]; then
             return 2
         fi
         [ -n "$lctok_train" ] || echo "MULTI30K_TEXT=lc-tok: no tok/ folder; making data/multi30k-lctok from data/multi30k with scripts/eval_tok.py (the Multi30k repo's lowercase + normalize + tokenize)" >&2
+        lctok_from=$(dirname "${lctok_train:-.}")
         mkdir -p data/multi30k-lctok
         for split in train valid test2016; do
             for lang in de en; do
                 out=data/multi30k-lctok/$split.$lang
                 if [ -n "$lctok_train" ]; then
-                    cp "$(dirname "$lctok_train")/$split.lc.norm.tok.$lang" "$out.tmp"
+                    cp "$lctok_from/$split.lc.norm.tok.$lang" "$out.tmp"
                 else
                     python scripts/eval_tok.py --lang $lang --input data/multi30k/$split.$lang --output "$out.tmp"
                 fi

@@ -105,13 +105,17 @@ def test_recipe_script_rejects_an_unknown_direction():
     assert proc.returncode == 2 and "usage:" in proc.stderr
 
 
+# PATH for scripts that call `python`/`mtrain`: this interpreter's venv first.
+VENV_PATH = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+
+
 def _source_multi30k_data(repo: Path, text: str = "raw", check: bool = True) -> subprocess.CompletedProcess:
     (repo / "scripts").mkdir(parents=True)
     # The data helper finds tok/ with tok_bleu.sh's find_tokref, and makes lc-tok text with eval_tok.py.
     for name in ("multi30k_data.sh", "tok_bleu.sh", "eval_tok.py"):
         (repo / "scripts" / name).write_text((ROOT / "scripts" / name).read_text())
     cmd = 'set -euo pipefail; . scripts/multi30k_data.sh; echo "${source_args[@]}"'
-    env = {**os.environ, "MULTI30K_TEXT": text, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env = {**os.environ, "MULTI30K_TEXT": text, "PATH": VENV_PATH}
     return subprocess.run(["bash", "-c", cmd], cwd=repo, capture_output=True, text=True, check=check, env=env)
 
 
@@ -201,7 +205,7 @@ def test_tok_bleu_scores_lc_tok_output_as_it_is(tmp_path):
     (tmp_path / "hyp").write_text(line * 3)
     (tmp_path / "ref").write_text(line * 3)
     cmd = f'set -euo pipefail; . "{ROOT}/scripts/tok_bleu.sh"; tok_bleu hyp ref de hyp.tok out.json'
-    env = {**os.environ, "MULTI30K_TEXT": "lc-tok", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env = {**os.environ, "MULTI30K_TEXT": "lc-tok", "PATH": VENV_PATH}
     subprocess.run(["bash", "-c", cmd], cwd=tmp_path, check=True, env=env)
     assert (tmp_path / "hyp.tok").read_text() == line * 3
     assert json.loads((tmp_path / "out.json").read_text())["bleu"] == pytest.approx(100.0)
@@ -308,7 +312,7 @@ def test_recipe_script_end_to_end_smoke(multi30k_dir, tmp_path):
     # The whole script on the en-de default (lc-tok text) for a few updates: tokenize, train, average,
     # score 10 test lines at LENPEN, report. The scores of 4 updates mean nothing; the plumbing does.
     env = {k: v for k, v in os.environ.items() if k != "MULTI30K_TEXT"}
-    env |= {"VIRTUAL_ENV": sys.prefix, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    env |= {"VIRTUAL_ENV": sys.prefix, "PATH": VENV_PATH,
             "RUN": str(tmp_path / "run"), "TOK": str(tmp_path / "tok"), "EVAL_LINES": "10", "LENPEN": "1.0"}
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "recipe-multi30k.sh"), "en-de", "--max-steps", "4"],
                           capture_output=True, text=True, env=env)
