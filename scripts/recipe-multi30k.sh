@@ -72,7 +72,9 @@ else
 fi
 if [ ! -f "$RUN/averaged.pt" ] || [ "$RUN/last.pt" -nt "$RUN/averaged.pt" ]; then
     # Stopped by the budget (or a signal) before train averaged: average the last step checkpoints here.
-    K=$(python -c "from mtrain.config import load_config; print(load_config('$CONFIG').train.average_last)")
+    # The run's own config.yaml (written by train) holds --set overrides such as train.average_last.
+    RUN_CONFIG="$RUN/config.yaml"; [ -f "$RUN_CONFIG" ] || RUN_CONFIG=$CONFIG
+    K=$(python -c "from mtrain.config import load_config; print(load_config('$RUN_CONFIG').train.average_last)")
     mapfile -t STEPS < <(ls "$RUN"/step-*.pt 2>/dev/null | sort -V | tail -n "$K")
     if [ "${#STEPS[@]}" -gt 0 ]; then mtrain average "${STEPS[@]}" --out "$RUN/averaged.pt"; fi
 fi
