@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from mtrain.config import ModelConfig
 from mtrain.data import make_batches
 from mtrain.model import Transformer, sinusoids
-from mtrain.train import Objective
+from mtrain.train import Objective, cpu_has_native_bf16
 
 ROOT = Path(__file__).resolve().parents[1]
 PAD, BOS, EOS = 0, 2, 3
@@ -283,6 +283,10 @@ def main(argv: list[str] | None = None) -> dict:
     marian = None if args.no_hf else marian_step_fn(cfg)
     if marian is not None:
         steps["HF Marian"] = (*marian, bucketed)
+    bf16_native = cpu_has_native_bf16()
+    if args.bf16 and not bf16_native:  # emulated bf16 matmuls: minutes per step, and no number worth having
+        log("--bf16 skipped: this CPU has no native bfloat16 (AMX or AVX512-BF16); mtrain trains in float32 here")
+        args.bf16 = False
     if args.bf16:
         steps["mtrain bf16"] = (*mtrain_step_fn(cfg, args.compile), bucketed)
     seconds = time_models(steps, args.rounds, warmup=2 if args.compile else 1,
@@ -323,6 +327,7 @@ def main(argv: list[str] | None = None) -> dict:
         "mtrain_bf16_tok_s": tok_s("mtrain bf16"),
         "bf16_speedup": round(rows["mtrain bf16"]["tok_s"] / rows["mtrain"]["tok_s"], 3) if args.bf16 else None,
         "bf16_matmul_peak_gflops": round(bf16_peak, 1) if bf16_peak else None,
+        "bf16_native": bf16_native,
         "batches": args.batches, "rounds": args.rounds, "compile": args.compile, "lengths": source,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
         "shape": {"d_model": cfg.d_model, "d_ff": cfg.d_ff, "n_heads": cfg.n_heads, "layers": "3+3",
