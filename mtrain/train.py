@@ -80,8 +80,8 @@ def amp_note(amp: str, dtype: torch.dtype | None, device: torch.device) -> str:
     """One line for the log: the precision training runs in, and why when it is not what was asked."""
     name = {None: "float32", torch.bfloat16: "bfloat16 autocast", torch.float16: "float16 autocast"}[dtype]
     if amp == "bf16" and dtype is None:
-        return (f"precision: {name} (train.amp=bf16 asked, but this CPU has no native bfloat16, so bf16 "
-                f"would run ~30x slower; float32 instead, set train.amp=off to silence this)")
+        return (f"precision: {name} (train.amp=bf16 asked, but this CPU has no native bfloat16: "
+                f"emulated, bf16 would run ~30x slower)")
     return f"precision: {name} (train.amp={amp}, {device.type})"
 
 
