@@ -99,7 +99,9 @@ def environment() -> dict[str, Any]:
     try:
         import torch
 
-        info.update(torch=torch.__version__, threads=torch.get_num_threads())
+        from mtrain.hardware import cpu_summary
+
+        info.update(torch=torch.__version__, threads=torch.get_num_threads(), **cpu_summary())
     except ImportError:
         pass
     return info

@@ -32,6 +32,7 @@ from mtrain import distributed as dist_utils
 from mtrain.atomic import atomic_text
 from mtrain.config import Config, replace, to_dict, to_yaml
 from mtrain.errors import MtrainError
+from mtrain.hardware import cpu_has_native_bf16
 from mtrain.loss import label_smoothed_loss
 from mtrain.plot import MetricsLog, plot_metrics
 from mtrain.schedule import inverse_sqrt_lr
@@ -41,20 +42,6 @@ N_SAMPLES = 3  # sample translations shown at each validation
 
 
 # ---------------------------------------------------------------- small pure helpers
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 in hardware (x86 AMX or AVX512-BF16; oneDNN's check
-    elsewhere). Without it bf16 matmuls are emulated: 0.9 GFLOP/s against 45 in float32 on one core
-    of an AVX2-only AMD EPYC, and a training step took 35 s instead of 1.3 s (docs/recipe.md)."""
-    cpu = getattr(torch, "cpu", None)
-    x86 = [getattr(cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
-    if all(callable(check) for check in x86):
-        return any(check() for check in x86)
-    try:  # non-x86 builds (aarch64): ask oneDNN
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
 
 def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
     """train.amp -> autocast dtype: auto = bf16 on GPUs that support it, fp16 on older GPUs, off on CPU.

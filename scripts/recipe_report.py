@@ -111,15 +111,11 @@ def hardware() -> dict[str, Any]:
                             "cpu_count": os.cpu_count(), "python": platform.python_version(),
                             "platform": platform.platform()}
     try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            names = [line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")]
-        if names:
-            info["cpu_model"] = names[0]
-    except OSError:
-        pass
-    try:
         import torch
 
+        from mtrain.hardware import cpu_summary
+
+        info.update(cpu_summary())
         info.update(torch=torch.__version__, torch_threads=torch.get_num_threads(),
                     cuda=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
     except ImportError:
