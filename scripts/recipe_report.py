@@ -21,6 +21,9 @@ from mtrain.plot import read_metrics  # the one reader of metrics.jsonl (skips a
 # The peer this curve is compared with (issue 7): JoeyNMT 2.3, same shape and data, 2 CPU cores,
 # greedy cased sacreBLEU on test2016 after 68 minutes of training.
 PEER = {"name": "JoeyNMT 2.3 (test2016, greedy)", "direction": "de-en", "minutes": 68.0, "bleu": 32.5}
+# The published from-scratch test2016 scores to beat (issue 7), lowercased tokenized BLEU: drawn
+# only on curves of that metric (a cased curve is not comparable with them).
+ANCHORS = {"de-en": (36.52, "PyTorch tutorial, 3+3 d256"), "en-de": (41.02, "fairseq transformer_tiny, Wu et al. 2021")}
 
 
 def with_wall_time(records: list[dict[str, Any]]) -> list[tuple[float, dict[str, Any]]]:
@@ -71,10 +74,10 @@ def write_curve_csv(rows: list[dict[str, Any]], path: str | Path) -> None:
 
 
 def plot_curve(rows: list[dict[str, Any]], path: str | Path, direction: str, test_bleu: float | None = None,
-               test_points: list[tuple[float, float]] | None = None) -> None:
+               test_points: list[tuple[float, float]] | None = None, metric: str = "cased sacreBLEU") -> None:
     """Valid BLEU (greedy) against minutes of training; the final test score; the peer's point
     when it measured this direction; test_points: (minutes, greedy test2016 BLEU) of step
-    checkpoints (scripts/test_curve.py)."""
+    checkpoints (scripts/test_curve.py). metric names the BLEU on the y axis (see bleu_metric)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -90,11 +93,14 @@ def plot_curve(rows: list[dict[str, Any]], path: str | Path, direction: str, tes
         ax.scatter([PEER["minutes"]], [PEER["bleu"]], marker="s", color="tab:red", zorder=3, label=PEER["name"])
         ax.scatter([PEER["minutes"] / 2], [PEER["bleu"]], marker="x", color="tab:red", zorder=3,
                    label="target: the peer's BLEU in half its time")
+    if metric == "lowercased tokenized BLEU" and direction in ANCHORS:
+        bleu, name = ANCHORS[direction]
+        ax.axhline(bleu, linestyle="--", color="tab:gray", label=f"anchor: test2016 {bleu} ({name})")
     if test_bleu is not None and rows:
         ax.scatter([rows[-1]["wall_min"]], [test_bleu], marker="*", s=120, color="tab:green", zorder=3,
                    label="mtrain: test2016, beam 5, averaged")
     ax.set_xlabel("training wall time (minutes, validation included)")
-    ax.set_ylabel("cased sacreBLEU")
+    ax.set_ylabel(metric)
     ax.set_title(f"Multi30k {direction}: BLEU vs wall time")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
@@ -143,14 +149,46 @@ def build_results(run: Path, sacrebleu: dict[str, Any], tok_bleu: dict[str, Any]
     }
 
 
+def bleu_metric(signature: str) -> str:
+    """The y-axis name: a MULTI30K_TEXT=lc-tok run is scored lowercased throughout (case:lc)."""
+    return "lowercased tokenized BLEU" if "case:lc" in signature else "cased sacreBLEU"
+
+
+def read_curve_csv(path: str | Path) -> list[dict[str, Any]]:
+    """Rows written by write_curve_csv, numbers parsed (a committed curve can be re-plotted)."""
+    with open(path, newline="", encoding="utf-8") as handle:
+        return [{key: float(value) if value not in ("", None) else None for key, value in row.items()}
+                for row in csv.DictReader(handle)]
+
+
+def replot(args: argparse.Namespace) -> None:
+    rows = read_curve_csv(args.curve_csv)
+    metric = "lowercased tokenized BLEU" if args.lowercased else "cased sacreBLEU"
+    plot_curve(rows, args.out, args.direction, args.test_bleu, metric=metric)
+    print(f"wrote {args.out} ({len(rows)} validations)", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--run", type=Path, required=True, help="the run folder (holds metrics.jsonl)")
+    parser.add_argument("--run", type=Path, help="the run folder (holds metrics.jsonl)")
     parser.add_argument("--elapsed", action="store_true", help="only print the training wall seconds so far (0 before a run)")
     parser.add_argument("--sacrebleu", type=Path, help="`mtrain eval --json` output on raw test2016")
     parser.add_argument("--tok-bleu", type=Path, help="`mtrain eval --json --lowercase --tokenize none` output")
     parser.add_argument("--meta", action="append", default=[], help="KEY=VALUE added to results.json (repeatable)")
+    replot_group = parser.add_argument_group("re-plot a saved curve (no --run needed)")
+    replot_group.add_argument("--curve-csv", type=Path, help="a bleu_vs_time.csv to plot into --out")
+    replot_group.add_argument("--out", type=Path, help="the PNG to write")
+    replot_group.add_argument("--direction", default="", help="de-en adds the JoeyNMT peer's point")
+    replot_group.add_argument("--test-bleu", type=float, help="the final test2016 score (a star at the end)")
+    replot_group.add_argument("--lowercased", action="store_true", help="the curve is lowercased tokenized BLEU")
     args = parser.parse_args(argv)
+    if args.curve_csv:
+        if args.out is None:
+            parser.error("--curve-csv needs --out")
+        replot(args)
+        return
+    if args.run is None:
+        parser.error("--run is required (unless --curve-csv)")
     metrics = args.run / "metrics.jsonl"
     if args.elapsed:
         print(int(train_wall_time(read_metrics(metrics))) if metrics.is_file() else 0)
@@ -167,11 +205,11 @@ def main(argv: list[str] | None = None) -> None:
     os.replace(tmp, args.run / "results.json")
     rows = validation_curve(records)
     write_curve_csv(rows, args.run / "bleu_vs_time.csv")
+    metric = bleu_metric(str((results.get("signatures") or {}).get("bleu", "")))
     if rows:
-        plot_curve(rows, args.run / "bleu_vs_time.png", meta.get("direction", ""), results["bleu"])
+        plot_curve(rows, args.run / "bleu_vs_time.png", meta.get("direction", ""), results["bleu"], metric=metric)
     tok_text = f"{results['tok_bleu_lc']:.2f}" if results["tok_bleu_lc"] is not None else "n/a"
-    # A MULTI30K_TEXT=lc-tok run is scored lowercased throughout; its signature says so.
-    case = "lowercased" if "case:lc" in str((results.get("signatures") or {}).get("bleu", "")) else "cased"
+    case = metric.split()[0]  # cased | lowercased
     print(f"test2016 {case} sacreBLEU {results['bleu']:.2f}  chrF {results['chrf']:.2f}  TER {results['ter']:.2f}  "
           f"lowercased tokenized BLEU {tok_text}", file=sys.stderr)
     print(f"training: {results['train_steps']} updates in {results['train_wall_s'] / 60:.1f} min "

@@ -279,6 +279,24 @@ def test_report_writes_results_and_curve(tmp_path):
     assert (tmp_path / "bleu_vs_time.png").stat().st_size > 0
 
 
+def test_report_names_the_metric_and_replots_a_saved_curve(tmp_path):
+    """lc-tok runs are scored lowercased (case:lc in the signature): the curve's axis says so; a
+    committed bleu_vs_time.csv re-plots without its run folder."""
+    assert report.bleu_metric("nrefs:1|case:lc|eff:no|tok:none") == "lowercased tokenized BLEU"
+    assert report.bleu_metric("nrefs:1|case:mixed|eff:no|tok:13a") == "cased sacreBLEU"
+    rows = [{"step": 250, "wall_s": 60.0, "wall_min": 1.0, "valid_bleu": 10.5, "valid_chrf": 30.0, "valid_loss": 4.0},
+            {"step": 500, "wall_s": 120.0, "wall_min": 2.0, "valid_bleu": 20.0, "valid_chrf": 40.0, "valid_loss": ""}]
+    report.write_curve_csv(rows, tmp_path / "curve.csv")
+    back = report.read_curve_csv(tmp_path / "curve.csv")
+    assert [(r["step"], r["wall_min"], r["valid_bleu"], r["valid_loss"]) for r in back] == [
+        (250.0, 1.0, 10.5, 4.0), (500.0, 2.0, 20.0, None)]
+    report.main(["--curve-csv", str(tmp_path / "curve.csv"), "--out", str(tmp_path / "c.png"),
+                 "--direction", "en-de", "--test-bleu", "21.0", "--lowercased"])
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit):
+        report.main(["--curve-csv", str(tmp_path / "curve.csv")])  # no --out
+
+
 def test_test_curve_scores_step_checkpoints_at_their_wall_time(tmp_path, monkeypatch, capsys):
     curve = load_script(ROOT / "scripts" / "test_curve.py", "test_curve")
     records = [{"event": "train", "step": 250, "elapsed_s": 60.0}, {"event": "valid", "step": 250, "valid_s": 6.0, "bleu": 20.0},
