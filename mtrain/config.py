@@ -27,6 +27,9 @@ class ModelConfig:
     n_decoder_layers: int = 6
     dropout: float = 0.1  # on sublayer outputs and on embeddings + positions
     attention_dropout: float = 0.0  # on attention weights (the paper uses none)
+    # on the FFN's hidden ReLU output. Negative = the same rate as dropout, mtrain's behaviour before this
+    # key (tensor2tensor's relu_dropout); 0 = none, as in the paper and fairseq's default.
+    activation_dropout: float = -1.0
     vocab_size: int = 8000  # target vocabulary (the joint one when share_embeddings); set by tokenize
     src_vocab_size: int = 0  # 0 = same as vocab_size (joint vocabulary)
     pad_id: int = 0  # fixed by mtrain's SentencePiece training
@@ -246,7 +249,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 RANGES: dict[str, tuple[float, float | None]] = {
     **{f"model.{k}": (1, None) for k in ("d_model", "d_ff", "n_heads", "n_encoder_layers", "n_decoder_layers", "vocab_size")},
     "model.max_len": (2, None), "model.src_vocab_size": (0, None),
-    "model.dropout": (0, 1), "model.attention_dropout": (0, 1),
+    "model.dropout": (0, 1), "model.attention_dropout": (0, 1), "model.activation_dropout": (-1, 1),
     "tokenizer.vocab_size": (1, None), "tokenizer.input_sentence_size": (0, None),
     "data.max_len": (1, None), "data.max_ratio": (1, None),
     **{f"train.{k}": (1, None) for k in ("max_tokens", "update_freq", "warmup_steps", "log_every", "save_every",

@@ -137,10 +137,16 @@ def cpu_dropout_keep(x: Tensor, p: float) -> tuple[Tensor, float]:
 
 
 class FeedForward(nn.Sequential):
-    """FFN(x) = max(0, x W1 + b1) W2 + b2 (paper eq. 2), with dropout on the hidden ReLU output."""
+    """FFN(x) = max(0, x W1 + b1) W2 + b2 (paper eq. 2), with dropout on the hidden ReLU output
+    (model.activation_dropout; the paper has none there, tensor2tensor's relu_dropout does)."""
 
     def __init__(self, d_model: int, d_ff: int, dropout: float):
         super().__init__(nn.Linear(d_model, d_ff), nn.ReLU(), Dropout(dropout), nn.Linear(d_ff, d_model))
+
+
+def activation_dropout(cfg: ModelConfig) -> float:
+    """The FFN hidden layer's dropout rate: model.activation_dropout, or model.dropout when negative."""
+    return cfg.dropout if cfg.activation_dropout < 0 else cfg.activation_dropout
 
 
 class EncoderLayer(nn.Module):
@@ -150,7 +156,7 @@ class EncoderLayer(nn.Module):
         super().__init__()
         self.self_attn = SelfAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
         self.norm1 = nn.LayerNorm(cfg.d_model)
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, activation_dropout(cfg))
         self.norm2 = nn.LayerNorm(cfg.d_model)
         self.dropout = Dropout(cfg.dropout)
 
@@ -168,7 +174,7 @@ class DecoderLayer(nn.Module):
         self.norm1 = nn.LayerNorm(cfg.d_model)
         self.cross_attn = CrossAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
         self.norm2 = nn.LayerNorm(cfg.d_model)
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, activation_dropout(cfg))
         self.norm3 = nn.LayerNorm(cfg.d_model)
         self.dropout = Dropout(cfg.dropout)
 

@@ -316,6 +316,21 @@ def test_dropout_is_active_in_training_only():
         assert not torch.allclose(model(src, tgt), model(src, tgt))
 
 
+def test_activation_dropout_defaults_to_dropout_and_zero_turns_it_off():
+    """model.activation_dropout < 0 keeps mtrain's old FFN-hidden dropout (= model.dropout); 0 is the
+    paper's and fairseq's FFN: in training mode the FFN is then deterministic while the residual
+    dropout around it is not."""
+    same, none = tiny(dropout=0.3), tiny(dropout=0.3, activation_dropout=0.0)
+    hidden = lambda model: [layer.ffn[2].p for layer in [*model.encoder, *model.decoder]]  # noqa: E731
+    assert hidden(same) == [0.3] * 4 and hidden(none) == [0.0] * 4
+    assert hidden(tiny(dropout=0.3, activation_dropout=0.1)) == [0.1] * 4
+    ffn = none.encoder[0].ffn.train()
+    x = torch.randn(2, 5, 32)
+    torch.testing.assert_close(ffn(x), ffn(x))
+    assert not torch.equal(*(same.encoder[0].ffn.train()(x) for _ in range(2)))
+    assert all(layer.dropout.p == 0.3 for layer in none.encoder)
+
+
 def test_runs_under_bf16_autocast_with_float32_parameters():
     """Mixed precision (train.amp) keeps fp32 weights; the model must not assume one dtype."""
     model = tiny()
