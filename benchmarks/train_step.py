@@ -32,8 +32,8 @@ from torch import Tensor, nn
 
 from mtrain.config import ModelConfig
 from mtrain.data import make_batches
-from mtrain.model import Transformer, sinusoids
 from mtrain.hardware import cpu_has_native_bf16
+from mtrain.model import Transformer, sinusoids
 from mtrain.train import Objective
 
 ROOT = Path(__file__).resolve().parents[1]

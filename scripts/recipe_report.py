@@ -24,6 +24,8 @@ PEER = {"name": "JoeyNMT 2.3 (test2016, greedy)", "direction": "de-en", "minutes
 # The published from-scratch test2016 scores to beat (issue 7), lowercased tokenized BLEU: drawn
 # only on curves of that metric (a cased curve is not comparable with them).
 ANCHORS = {"de-en": (36.52, "PyTorch tutorial, 3+3 d256"), "en-de": (41.02, "fairseq transformer_tiny, Wu et al. 2021")}
+# The two BLEUs a curve can be in (its y-axis name; the anchors are in the second).
+CASED_BLEU, LC_TOK_BLEU = "cased sacreBLEU", "lowercased tokenized BLEU"
 
 
 def with_wall_time(records: list[dict[str, Any]]) -> list[tuple[float, dict[str, Any]]]:
@@ -74,7 +76,7 @@ def write_curve_csv(rows: list[dict[str, Any]], path: str | Path) -> None:
 
 
 def plot_curve(rows: list[dict[str, Any]], path: str | Path, direction: str, test_bleu: float | None = None,
-               test_points: list[tuple[float, float]] | None = None, metric: str = "cased sacreBLEU") -> None:
+               test_points: list[tuple[float, float]] | None = None, metric: str = CASED_BLEU) -> None:
     """Valid BLEU (greedy) against minutes of training; the final test score; the peer's point
     when it measured this direction; test_points: (minutes, greedy test2016 BLEU) of step
     checkpoints (scripts/test_curve.py). metric names the BLEU on the y axis (see bleu_metric)."""
@@ -93,7 +95,7 @@ def plot_curve(rows: list[dict[str, Any]], path: str | Path, direction: str, tes
         ax.scatter([PEER["minutes"]], [PEER["bleu"]], marker="s", color="tab:red", zorder=3, label=PEER["name"])
         ax.scatter([PEER["minutes"] / 2], [PEER["bleu"]], marker="x", color="tab:red", zorder=3,
                    label="target: the peer's BLEU in half its time")
-    if metric == "lowercased tokenized BLEU" and direction in ANCHORS:
+    if metric == LC_TOK_BLEU and direction in ANCHORS:
         bleu, name = ANCHORS[direction]
         ax.axhline(bleu, linestyle="--", color="tab:gray", label=f"anchor: test2016 {bleu} ({name})")
     if test_bleu is not None and rows:
@@ -151,7 +153,7 @@ def build_results(run: Path, sacrebleu: dict[str, Any], tok_bleu: dict[str, Any]
 
 def bleu_metric(signature: str) -> str:
     """The y-axis name: a MULTI30K_TEXT=lc-tok run is scored lowercased throughout (case:lc)."""
-    return "lowercased tokenized BLEU" if "case:lc" in signature else "cased sacreBLEU"
+    return LC_TOK_BLEU if "case:lc" in signature else CASED_BLEU
 
 
 def read_curve_csv(path: str | Path) -> list[dict[str, Any]]:
@@ -163,7 +165,7 @@ def read_curve_csv(path: str | Path) -> list[dict[str, Any]]:
 
 def replot(args: argparse.Namespace) -> None:
     rows = read_curve_csv(args.curve_csv)
-    metric = "lowercased tokenized BLEU" if args.lowercased else "cased sacreBLEU"
+    metric = LC_TOK_BLEU if args.lowercased else CASED_BLEU
     plot_curve(rows, args.out, args.direction, args.test_bleu, metric=metric)
     print(f"wrote {args.out} ({len(rows)} validations)", file=sys.stderr)
 
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     if rows:
         plot_curve(rows, args.run / "bleu_vs_time.png", meta.get("direction", ""), results["bleu"], metric=metric)
     tok_text = f"{results['tok_bleu_lc']:.2f}" if results["tok_bleu_lc"] is not None else "n/a"
-    case = metric.split()[0]  # cased | lowercased
+    case = "lowercased" if metric == LC_TOK_BLEU else "cased"
     print(f"test2016 {case} sacreBLEU {results['bleu']:.2f}  chrF {results['chrf']:.2f}  TER {results['ter']:.2f}  "
           f"lowercased tokenized BLEU {tok_text}", file=sys.stderr)
     print(f"training: {results['train_steps']} updates in {results['train_wall_s'] / 60:.1f} min "
