@@ -72,6 +72,7 @@ class TrainConfig:
     update_freq: int = 1  # batches accumulated per update
     warmup_steps: int = 4000
     lr_scale: float = 1.0  # lr = lr_scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
+    cooldown_steps: int = 0  # > 0: over the last cooldown_steps updates before max_steps, lr falls linearly to ~0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.98
     adam_eps: float = 1e-9
@@ -256,7 +257,7 @@ RANGES: dict[str, tuple[float, float | None]] = {
                                          "eval_every", "eval_beam", "max_nonfinite")},
     **{f"train.{k}": (0, None) for k in ("max_steps", "lr_scale", "weight_decay", "clip_norm", "eval_max_sentences",
                                          "keep_last", "keep_every", "average_last", "patience", "num_threads", "adam_eps",
-                                         "sampling_alpha")},
+                                         "sampling_alpha", "cooldown_steps")},
     "train.label_smoothing": (0, 1), "train.adam_beta1": (0, 1), "train.adam_beta2": (0, 1),
 }
 
@@ -269,6 +270,10 @@ def check_ranges(config: Config) -> None:
         if value < low or (high is not None and value >= high):
             bound = f"at least {low}" if high is None else f"in [{low}, {high})"
             raise MtrainError(f"{dotted}={value!r}: must be {bound}; change it in the config file or with --set {dotted}=...")
+    train = config.train
+    if train.cooldown_steps > train.max_steps:  # the cooldown would start before update 1 and lower every lr
+        raise MtrainError(f"train.cooldown_steps={train.cooldown_steps} exceeds train.max_steps={train.max_steps}: "
+                          "set it to at most max_steps (e.g. a fifth to a third of the run) with --set train.cooldown_steps=...")
 
 
 def replace(config: Config, **sections: dict[str, Any]) -> Config:

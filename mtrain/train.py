@@ -35,7 +35,7 @@ from mtrain.errors import MtrainError
 from mtrain.hardware import cpu_has_native_bf16
 from mtrain.loss import label_smoothed_loss
 from mtrain.plot import MetricsLog, plot_metrics
-from mtrain.schedule import inverse_sqrt_lr
+from mtrain.schedule import lr_at
 from mtrain.translate import resolve_device
 
 N_SAMPLES = 3  # sample translations shown at each validation
@@ -406,7 +406,7 @@ class Trainer:
         if not math.isfinite(sums[0]):
             self.optimizer.zero_grad(set_to_none=True)
             return None
-        lr = inverse_sqrt_lr(step, self.cfg.model.d_model, t.warmup_steps, t.lr_scale)
+        lr = lr_at(step, self.cfg.model.d_model, t.warmup_steps, t.lr_scale, t.max_steps, t.cooldown_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         grad_norm = self._clip_and_step()

@@ -74,16 +74,34 @@ def test_accumulation_equals_one_big_batch(copy_data):
         torch.testing.assert_close(g2, g1, rtol=1e-4, atol=1e-6)
 
 
+def test_cooldown_sets_the_lr_of_every_update(copy_data, tmp_path):
+    """max_steps 12, cooldown 6: the logged lr of update s is 0.5 * 32^-0.5 * s^-0.5 (past warmup 10)
+    times (13 - s) / 6 from update 7 on, ending at a sixth of the inverse-sqrt lr, not at 0."""
+    run(copy_data, tmp_path, "train.max_steps=12", "train.cooldown_steps=6", "train.log_every=1",
+        "train.eval_every=100", "train.save_every=100")
+    logged = {r["step"]: r["lr"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+              if r["event"] == "train"}
+    assert logged[12] == pytest.approx(0.5 * 32**-0.5 * 12**-0.5 / 6, rel=1e-9)
+    assert logged[10] == pytest.approx(0.5 * 32**-0.5 * 10**-0.5 * 3 / 6, rel=1e-9)
+    assert logged[6] == pytest.approx(0.5 * 32**-0.5 * 6 * 10**-1.5, rel=1e-9)  # warmup, before the cooldown
+
+
+def test_cooldown_longer_than_the_run_is_refused():
+    with pytest.raises(MtrainError, match="train.cooldown_steps=50 exceeds train.max_steps=40"):
+        load_config(None, ["train.max_steps=40", "train.cooldown_steps=50"])
+
+
 # ---------------------------------------------------------------- resume and faults
 
-@pytest.mark.parametrize("extra", [[], ["train.sampling_alpha=0.3", "train.update_freq=5"]],
-                         ids=["cached-ids", "subword-sampling"])
+@pytest.mark.parametrize("extra", [[], ["train.sampling_alpha=0.3", "train.update_freq=5", "train.cooldown_steps=8"]],
+                         ids=["cached-ids", "subword-sampling-cooldown"])
 def test_exact_resume_is_bit_identical(copy_data, tmp_path, monkeypatch, extra):
     """Stop at a save point (as SIGINT would), re-run the same command: every weight and every
     Adam moment equals an uninterrupted run's, though validation ran in between. With subword
     sampling (12-13 batches an epoch here), 5 batches per update run through 5 epochs, some
     updates mix two epochs' segmentations, and the stop falls inside epoch 3, whose sampling the
-    resumed run must redraw identically."""
+    resumed run must redraw identically; it also falls inside the lr cooldown (updates 5-12),
+    which the resumed run must continue from the step alone."""
     args = ["train.max_steps=12", "train.save_every=3", "train.eval_every=4", "train.eval_max_sentences=2", *extra]
     full = run(copy_data, tmp_path / "full", *args)
     monkeypatch.setenv("MTRAIN_STOP_AT_STEP", "6")

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from mtrain.loss import label_smoothed_loss
 from mtrain.plot import MetricsLog, plot_metrics, read_metrics
-from mtrain.schedule import inverse_sqrt_lr
+from mtrain.schedule import cooldown_factor, inverse_sqrt_lr, lr_at
 
 
 def test_lr_schedule_hand_computed_paper_values():
@@ -28,6 +28,21 @@ def test_lr_schedule_rises_linearly_then_decays():
     assert peak == 100
     assert lrs[49] == pytest.approx(lrs[0] * 50)  # linear warmup: lr(50) = 50 lr(1)
     assert all(a > b for a, b in zip(lrs[99:], lrs[100:]))
+
+
+def test_cooldown_falls_linearly_over_the_last_updates():
+    # max_steps 100, cooldown 20: updates 1..81 keep the full lr (81 is the cooldown's first, factor 20/20),
+    # then each update loses a twentieth: update 90 gets (101 - 90) / 20 = 11/20, the last one 1/20 (not 0).
+    factors = [cooldown_factor(s, 100, 20) for s in (1, 80, 81, 82, 90, 100)]
+    assert factors == pytest.approx([1, 1, 1, 19 / 20, 11 / 20, 1 / 20])
+    assert cooldown_factor(100, 100, 0) == 1  # 0 = no cooldown, the paper's schedule unchanged
+    assert lr_at(90, 256, 10, 0.5, 100, 0) == inverse_sqrt_lr(90, 256, 10, 0.5)
+    # 0.5 * 256^-0.5 * 90^-0.5 * 11/20, written out.
+    assert lr_at(90, 256, 10, 0.5, 100, 20) == pytest.approx(0.5 / 16 / math.sqrt(90) * 0.55, rel=1e-12)
+    # Continuous where the cooldown starts, then strictly falling: no jump for Adam to absorb.
+    lrs = [lr_at(s, 256, 10, 0.5, 100, 20) for s in range(1, 101)]
+    assert lrs[80] == pytest.approx(lrs[79] * math.sqrt(80 / 81))
+    assert all(a > b > 0 for a, b in zip(lrs[10:], lrs[11:]))
 
 
 def test_label_smoothing_hand_computed_v4():
