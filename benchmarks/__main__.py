@@ -13,7 +13,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -90,19 +89,14 @@ def run_one(name: str, args: list[str], timeout: float) -> dict[str, Any]:
 
 
 def environment() -> dict[str, Any]:
-    info: dict[str, Any] = {"machine": platform.machine(), "cpu_count": os.cpu_count(),
-                            "python": platform.python_version()}
+    import torch
+
+    from mtrain.hardware import machine_record
+
+    info: dict[str, Any] = {**machine_record(), "threads": torch.get_num_threads()}
     try:
         info["load_avg_1min"] = round(os.getloadavg()[0], 2)  # other processes skew the numbers
     except OSError:
-        pass
-    try:
-        import torch
-
-        from mtrain.hardware import cpu_summary
-
-        info.update(torch=torch.__version__, threads=torch.get_num_threads(), **cpu_summary())
-    except ImportError:
         pass
     return info
 

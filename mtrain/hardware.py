@@ -3,6 +3,7 @@ benchmarks and the recipe report keep next to their numbers."""
 
 from __future__ import annotations
 
+import os
 import platform
 
 import torch
@@ -38,3 +39,11 @@ def cpu_summary() -> dict[str, object]:
     """The CPU facts that change speed: model, the vector ISA torch dispatches to, native bf16."""
     return {"cpu_model": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "native_bf16": cpu_has_native_bf16()}
+
+
+def machine_record() -> dict[str, object]:
+    """Everything a stored result says about where it was measured (benchmarks/ and the recipe
+    report each add their thread count and what else only they know)."""
+    return {"machine": platform.machine(), "processor": platform.processor() or None, "cpu_count": os.cpu_count(),
+            "python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, **cpu_summary()}

@@ -11,7 +11,6 @@ import csv
 import datetime
 import json
 import os
-import platform
 import sys
 from pathlib import Path
 from typing import Any
@@ -115,20 +114,11 @@ def plot_curve(rows: list[dict[str, Any]], path: str | Path, direction: str, tes
 
 def hardware() -> dict[str, Any]:
     """What the numbers were measured on."""
-    info: dict[str, Any] = {"machine": platform.machine(), "processor": platform.processor() or None,
-                            "cpu_count": os.cpu_count(), "python": platform.python_version(),
-                            "platform": platform.platform()}
-    try:
-        import torch
+    import torch
 
-        from mtrain.hardware import cpu_summary
+    from mtrain.hardware import machine_record
 
-        info.update(cpu_summary())
-        info.update(torch=torch.__version__, torch_threads=torch.get_num_threads(),
-                    cuda=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
-    except ImportError:
-        pass
-    return info
+    return {**machine_record(), "torch_threads": torch.get_num_threads()}
 
 
 def build_results(run: Path, sacrebleu: dict[str, Any], tok_bleu: dict[str, Any] | None,
