@@ -32,3 +32,13 @@ def lr_at(step: int, d_model: int, warmup_steps: int, scale: float = 1.0,
           max_steps: int = 0, cooldown_steps: int = 0) -> float:
     """The learning rate of update `step`: inverse_sqrt_lr times cooldown_factor."""
     return inverse_sqrt_lr(step, d_model, warmup_steps, scale) * cooldown_factor(step, max_steps, cooldown_steps)
+
+
+def cooldown_patience_note(max_steps: int, cooldown_steps: int, patience: int) -> str | None:
+    """A log line when early stopping may end the run before its cooldown has started (or
+    finished), which would leave the still-large inverse-sqrt lr that the cooldown is there to
+    remove; None when there is no cooldown or no early stopping."""
+    if cooldown_steps <= 0 or patience <= 0:
+        return None
+    return (f"note: early stopping (train.patience={patience}) can end the run before its lr cooldown "
+            f"(updates {max_steps - cooldown_steps + 1}-{max_steps}); --set train.patience=0 always runs it")

@@ -35,7 +35,7 @@ from mtrain.errors import MtrainError
 from mtrain.hardware import cpu_has_native_bf16
 from mtrain.loss import label_smoothed_loss
 from mtrain.plot import MetricsLog, plot_metrics
-from mtrain.schedule import lr_at
+from mtrain.schedule import cooldown_patience_note, lr_at
 from mtrain.translate import resolve_device
 
 N_SAMPLES = 3  # sample translations shown at each validation
@@ -583,6 +583,9 @@ class Run:
             tr.log(f"training {sum(p.numel() for p in tr.model.parameters()):,} parameters on {tr.device} "
                    f"({tr.dist.world_size} process(es)); run folder {tr.run_dir}")
         tr.log(amp_note(tr.tcfg.amp, tr.amp_dtype, tr.device))  # also on resume: the host may differ
+        note = cooldown_patience_note(tr.tcfg.max_steps, tr.tcfg.cooldown_steps, tr.tcfg.patience)
+        if note and not resumed:
+            tr.log(note)
 
     def record(self, event: dict[str, Any]) -> None:
         if self.metrics is not None:

@@ -74,11 +74,13 @@ def test_accumulation_equals_one_big_batch(copy_data):
         torch.testing.assert_close(g2, g1, rtol=1e-4, atol=1e-6)
 
 
-def test_cooldown_sets_the_lr_of_every_update(copy_data, tmp_path):
+def test_cooldown_sets_the_lr_of_every_update(copy_data, tmp_path, capsys):
     """max_steps 12, cooldown 6: the logged lr of update s is 0.5 * 32^-0.5 * s^-0.5 (past warmup 10)
-    times (13 - s) / 6 from update 7 on, ending at a sixth of the inverse-sqrt lr, not at 0."""
+    times (13 - s) / 6 from update 7 on, ending at a sixth of the inverse-sqrt lr, not at 0.
+    With early stopping on, the log says it could cut the cooldown (updates 7-12) short."""
     run(copy_data, tmp_path, "train.max_steps=12", "train.cooldown_steps=6", "train.log_every=1",
-        "train.eval_every=100", "train.save_every=100")
+        "train.eval_every=100", "train.save_every=100", "train.patience=5")
+    assert "before its lr cooldown (updates 7-12)" in capsys.readouterr().err
     logged = {r["step"]: r["lr"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
               if r["event"] == "train"}
     assert logged[12] == pytest.approx(0.5 * 32**-0.5 * 12**-0.5 / 6, rel=1e-9)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from mtrain.loss import label_smoothed_loss
 from mtrain.plot import MetricsLog, plot_metrics, read_metrics
-from mtrain.schedule import cooldown_factor, inverse_sqrt_lr, lr_at
+from mtrain.schedule import cooldown_factor, cooldown_patience_note, inverse_sqrt_lr, lr_at
 
 
 def test_lr_schedule_hand_computed_paper_values():
@@ -43,6 +43,14 @@ def test_cooldown_falls_linearly_over_the_last_updates():
     lrs = [lr_at(s, 256, 10, 0.5, 100, 20) for s in range(1, 101)]
     assert lrs[80] == pytest.approx(lrs[79] * math.sqrt(80 / 81))
     assert all(a > b > 0 for a, b in zip(lrs[10:], lrs[11:]))
+
+
+def test_early_stopping_that_could_skip_the_cooldown_is_logged():
+    # max_steps 8000, cooldown 2500: the cooldown is updates 5501..8000 (factor 1 at 5501, as above).
+    note = cooldown_patience_note(8000, 2500, 12)
+    assert "train.patience=12" in note and "updates 5501-8000" in note and "train.patience=0" in note
+    assert cooldown_patience_note(8000, 2500, 0) is None  # no early stopping: the cooldown always runs
+    assert cooldown_patience_note(8000, 0, 12) is None  # no cooldown to skip
 
 
 def test_label_smoothing_hand_computed_v4():
