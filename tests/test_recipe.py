@@ -52,6 +52,10 @@ def test_recipe_config_resolves(direction):
     # A train record is logged at every validation step (the BLEU-vs-time curve reads its elapsed_s).
     assert t.eval_every % t.log_every == 0
     assert cfg.decode.beam == 5  # the test2016 scores are beam 5
+    if t.cooldown_steps:
+        # Early stopping must not skip the cooldown, and the averaged checkpoints lie inside it.
+        assert t.patience == 0 and t.cooldown_steps < t.max_steps
+        assert t.average_last * t.save_every <= t.cooldown_steps
 
 
 def test_every_recipe_key_has_a_why_comment():
@@ -62,10 +66,10 @@ def test_every_recipe_key_has_a_why_comment():
 
 
 def test_recipes_differ_only_in_direction_vocabulary_length_and_lenpen():
-    """Same model and schedule both ways; en->de trains longer (bf16, more steps, more patience, a
-    wider average) and decodes with its own length penalty (docs/recipe.md says why)."""
+    """Same model and schedule both ways; en->de trains longer (bf16, more steps, an lr cooldown, no
+    early stopping) and decodes with its own length penalty (docs/recipe.md says why)."""
     de_en, en_de = (yaml.safe_load(recipe(d).read_text()) for d in DIRECTIONS)
-    length_keys = {"max_steps", "amp", "patience", "average_last"}
+    length_keys = {"max_steps", "amp", "patience", "average_last", "cooldown_steps"}
     assert {k: v for k, v in en_de["train"].items() if k not in length_keys} == \
         {k: v for k, v in de_en["train"].items() if k not in length_keys}
     assert {k: v for k, v in en_de["model"].items() if k != "vocab_size"} == de_en["model"]
