@@ -334,10 +334,12 @@ def test_bench_runner_reads_the_last_json_line_and_tabulates():
 def test_recipe_script_end_to_end_smoke(multi30k_dir, tmp_path):
     # The whole script on the en-de default (lc-tok text) for a few updates: tokenize, train, average,
     # score 10 test lines at LENPEN, report. The scores of 4 updates mean nothing; the plumbing does.
+    # The config's lr cooldown (3300 updates) must shrink with the run: a longer one is refused.
     env = {k: v for k, v in os.environ.items() if k != "MULTI30K_TEXT"}
     env |= {"VIRTUAL_ENV": sys.prefix, "PATH": VENV_PATH,
             "RUN": str(tmp_path / "run"), "TOK": str(tmp_path / "tok"), "EVAL_LINES": "10", "LENPEN": "1.0"}
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "recipe-multi30k.sh"), "en-de", "--max-steps", "4"],
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "recipe-multi30k.sh"), "en-de", "--max-steps", "4",
+                           "--set", "train.cooldown_steps=2"],
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = json.loads((tmp_path / "run" / "results.json").read_text())
