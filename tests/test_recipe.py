@@ -66,7 +66,7 @@ def test_every_recipe_key_has_a_why_comment():
 
 
 def test_recipes_differ_only_in_direction_vocabulary_length_and_lenpen():
-    """Same model and schedule both ways; en->de trains longer (bf16, more steps, an lr cooldown, no
+    """Same model and base schedule both ways; en->de trains longer (bf16, more steps, an lr cooldown, no
     early stopping) and decodes with its own length penalty (docs/recipe.md says why)."""
     de_en, en_de = (yaml.safe_load(recipe(d).read_text()) for d in DIRECTIONS)
     length_keys = {"max_steps", "amp", "patience", "average_last", "cooldown_steps"}
