@@ -83,6 +83,12 @@ class TrainConfig:
     # regularization (Kudo 2018; smaller = more varied and longer, 0.1 doubles the pieces per line);
     # bpe models: the BPE-dropout rate (Provilkov et al. 2020). 0 = the cached deterministic ids.
     sampling_alpha: float = 0.0
+    # > 0: R-Drop (Liang et al. 2021). Each batch runs through the model twice with independent
+    # dropout masks, and the loss adds rdrop_alpha times the symmetric KL divergence between the two
+    # output distributions, which pulls the dropout sub-models together: a regulariser for small
+    # data. An update then costs two forward/backward passes of its batch (halve max_tokens to
+    # keep the cost of an update). 0 = off. The paper used 5 for translation.
+    rdrop_alpha: float = 0.0
     clip_norm: float = 0.0  # 0 = no gradient clipping
     seed: int = 1
     log_every: int = 100
@@ -257,7 +263,7 @@ RANGES: dict[str, tuple[float, float | None]] = {
                                          "eval_every", "eval_beam", "max_nonfinite")},
     **{f"train.{k}": (0, None) for k in ("max_steps", "lr_scale", "weight_decay", "clip_norm", "eval_max_sentences",
                                          "keep_last", "keep_every", "average_last", "patience", "num_threads", "adam_eps",
-                                         "sampling_alpha", "cooldown_steps")},
+                                         "sampling_alpha", "cooldown_steps", "rdrop_alpha")},
     "train.label_smoothing": (0, 1), "train.adam_beta1": (0, 1), "train.adam_beta2": (0, 1),
 }
 

@@ -1,5 +1,5 @@
 """Label-smoothed cross-entropy (Szegedy et al. 2016), the paper's training loss, plus the
-plain NLL for logging. Only real target positions are passed in, so no pad masking here.
+plain NLL for logging, and the symmetric KL divergence of R-Drop. Only real target positions are passed in, so no pad masking here.
 
 Convention: the smoothed target puts 1 - eps on the reference token and spreads eps uniformly
 over ALL V classes (the reference and pad included), i.e. q = (1 - eps) * onehot + eps / V.
@@ -63,3 +63,14 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         rows = torch.arange(exp.size(0), device=exp.device)
         grad[rows, target] -= grad_loss * (1.0 - eps)
         return grad.to(ctx.dtype), None, None
+
+
+def symmetric_kl(logits_a: Tensor, logits_b: Tensor) -> Tensor:
+    """Summed symmetric KL divergence 1/2 (KL(p || q) + KL(q || p)) between the rows of two (N, V)
+    logit tensors (R-Drop's consistency term), in float32 even under autocast.
+
+    Both KL terms share one form: KL(p || q) + KL(q || p) = sum_k (p_k - q_k) (log p_k - log q_k),
+    so one pass over (N, V) computes both, and it is zero exactly when the rows agree."""
+    log_p = torch.log_softmax(logits_a.float(), dim=-1)
+    log_q = torch.log_softmax(logits_b.float(), dim=-1)
+    return 0.5 * ((log_p.exp() - log_q.exp()) * (log_p - log_q)).sum()

@@ -33,7 +33,7 @@ from mtrain.atomic import atomic_text
 from mtrain.config import Config, replace, to_dict, to_yaml
 from mtrain.errors import MtrainError
 from mtrain.hardware import cpu_has_native_bf16
-from mtrain.loss import label_smoothed_loss
+from mtrain.loss import label_smoothed_loss, symmetric_kl
 from mtrain.plot import MetricsLog, plot_metrics
 from mtrain.schedule import cooldown_patience_note, lr_at
 from mtrain.translate import resolve_device
@@ -196,16 +196,32 @@ class Objective(nn.Module):
     torch.compile see the whole computation. The vocabulary projection runs only at real target
     positions: pads are ~30% of a bucketed batch and the projection is the largest matmul."""
 
-    def __init__(self, model: nn.Module, label_smoothing: float) -> None:
+    def __init__(self, model: nn.Module, label_smoothing: float, rdrop_alpha: float = 0.0) -> None:
         super().__init__()
-        self.model, self.eps = model, label_smoothing
+        self.model, self.eps, self.rdrop_alpha = model, label_smoothing, rdrop_alpha
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.rdrop_alpha > 0 and self.training:
+            return self._rdrop(src, tgt_in, tgt_out)
+        logits, target = self._logits(src, tgt_in, tgt_out)
+        return label_smoothed_loss(logits, target, self.eps)
+
+    def _logits(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         memory = self.model.encode(src)  # (B, S, d_model)
         states = self.model.decode_states(tgt_in, memory, src)  # (B, T, d_model)
         real = tgt_out != self.model.cfg.pad_id  # (B, T)
-        logits = self.model.project(states[real])  # (N, V), N = real target tokens
-        return label_smoothed_loss(logits, tgt_out[real], self.eps)
+        return self.model.project(states[real]), tgt_out[real]  # (N, V), N = real target tokens
+
+    def _rdrop(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """R-Drop: the batch twice in one forward (stacked, so the two copies get independent
+        dropout masks), loss = mean of the two copies' label-smoothed losses + alpha * symmetric KL,
+        per real token. That is the paper's loss (sum of both NLLs + alpha * KL) halved, so the
+        logged loss and NLL stay comparable with a run without R-Drop."""
+        logits, target = self._logits(torch.cat([src, src]), torch.cat([tgt_in, tgt_in]), torch.cat([tgt_out, tgt_out]))
+        n = target.size(0) // 2  # boolean indexing is row-major: copy 1's positions, then copy 2's in the same order
+        loss_sum, nll_sum = label_smoothed_loss(logits, target, self.eps)
+        kl_sum = symmetric_kl(logits[:n], logits[n:])
+        return 0.5 * loss_sum + 0.5 * self.rdrop_alpha * kl_sum, 0.5 * nll_sum
 
 
 def forward_backward(objective: nn.Module, micro_batches: list[tuple[torch.Tensor, ...]], total_tokens: int,
@@ -328,7 +344,7 @@ class Trainer:
         fused = self.device.type == "cuda"
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.0, betas=(t.adam_beta1, t.adam_beta2),
                                           eps=t.adam_eps, weight_decay=t.weight_decay, fused=fused or None)
-        objective: nn.Module = Objective(self.model, t.label_smoothing)
+        objective: nn.Module = Objective(self.model, t.label_smoothing, t.rdrop_alpha)
         if self.dist.enabled:
             ids = [self.device.index] if self.device.type == "cuda" else None
             objective = nn.parallel.DistributedDataParallel(objective, device_ids=ids)

@@ -95,8 +95,9 @@ def test_cooldown_longer_than_the_run_is_refused():
 
 # ---------------------------------------------------------------- resume and faults
 
-@pytest.mark.parametrize("extra", [[], ["train.sampling_alpha=0.3", "train.update_freq=5", "train.cooldown_steps=8"]],
-                         ids=["cached-ids", "subword-sampling-cooldown"])
+@pytest.mark.parametrize("extra", [[], ["train.sampling_alpha=0.3", "train.update_freq=5", "train.cooldown_steps=8",
+                                    "train.rdrop_alpha=5"]],
+                         ids=["cached-ids", "subword-sampling-cooldown-rdrop"])
 def test_exact_resume_is_bit_identical(copy_data, tmp_path, monkeypatch, extra):
     """Stop at a save point (as SIGINT would), re-run the same command: every weight and every
     Adam moment equals an uninterrupted run's, though validation ran in between. With subword

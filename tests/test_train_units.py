@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtrain.loss import label_smoothed_loss
+from mtrain.loss import label_smoothed_loss, symmetric_kl
 from mtrain.plot import MetricsLog, plot_metrics, read_metrics
 from mtrain.schedule import cooldown_factor, cooldown_patience_note, inverse_sqrt_lr, lr_at
 
@@ -150,3 +150,71 @@ def test_native_bf16_means_amx_or_avx512_bf16_on_x86(monkeypatch, amx, avx512_bf
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
     assert cpu_has_native_bf16() is native
     assert cpu_summary()["native_bf16"] is native
+
+
+# ---------------------------------------------------------------- R-Drop
+
+def test_symmetric_kl_hand_computed():
+    """p = (1/2, 1/2) from logits (0, 0), q = (3/4, 1/4) from logits (log 3, 0):
+    KL(p||q) = 1/2 ln(2/3) + 1/2 ln 2, KL(q||p) = 3/4 ln(3/2) + 1/4 ln(1/2); the term is their mean."""
+    a, b = torch.zeros(1, 2), torch.tensor([[math.log(3.0), 0.0]])
+    kl_pq = 0.5 * math.log(2 / 3) + 0.5 * math.log(2)
+    kl_qp = 0.75 * math.log(1.5) + 0.25 * math.log(0.5)
+    assert symmetric_kl(a, b).item() == pytest.approx(0.5 * (kl_pq + kl_qp), rel=1e-6)
+    assert symmetric_kl(b, a).item() == pytest.approx(symmetric_kl(a, b).item(), rel=1e-6)
+    logits = torch.randn(5, 7)
+    assert symmetric_kl(logits, logits).item() == 0.0
+    twice = torch.cat([a, a]), torch.cat([b, b])  # summed over rows
+    assert symmetric_kl(*twice).item() == pytest.approx(2 * symmetric_kl(a, b).item(), rel=1e-6)
+
+
+def _objective_batch(dropout: float):
+    from mtrain.config import ModelConfig
+    from mtrain.model import Transformer
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=32, d_ff=64, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, vocab_size=20,
+                      dropout=dropout, max_len=16)
+    model = Transformer(cfg)
+    src = torch.tensor([[5, 6, 7, 2], [8, 9, 2, 0]])
+    tgt_in = torch.tensor([[1, 10, 11, 12], [1, 13, 0, 0]])
+    tgt_out = torch.tensor([[10, 11, 12, 2], [13, 2, 0, 0]])
+    return model, (src, tgt_in, tgt_out)
+
+
+def test_rdrop_without_dropout_equals_the_plain_loss_and_gradient():
+    """With no dropout the two copies agree, the KL term is 0 and the mean of two equal losses is
+    the plain loss: R-Drop changes nothing but the regulariser."""
+    from mtrain.train import Objective
+
+    model, batch = _objective_batch(dropout=0.0)
+    model.train()
+    grads = []
+    for alpha in (0.0, 5.0):
+        model.zero_grad()
+        loss, nll = Objective(model, 0.1, alpha)(*batch)
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        if alpha == 0.0:
+            plain = loss.item(), nll.item()
+    assert (loss.item(), nll.item()) == pytest.approx(plain, rel=1e-5)
+    assert all(torch.allclose(g0, g1, atol=1e-6) for g0, g1 in zip(*grads))
+
+
+def test_rdrop_adds_alpha_times_a_positive_kl_and_is_off_in_eval():
+    """Under dropout the two copies draw independent masks, so KL > 0; from the same RNG state the
+    loss grows linearly in alpha (the masks do not depend on it), by alpha/2 times the KL. In eval
+    mode (validation loss) R-Drop is off."""
+    from mtrain.train import Objective
+
+    model, batch = _objective_batch(dropout=0.3)
+    model.train()
+    losses = {}
+    for alpha in (1.0, 2.0, 3.0):  # (alpha 0 takes the plain one-copy path, other masks)
+        torch.manual_seed(1)
+        losses[alpha] = Objective(model, 0.1, alpha)(*batch)[0].item()
+    half_kl = losses[2.0] - losses[1.0]
+    assert half_kl > 0
+    assert losses[3.0] - losses[2.0] == pytest.approx(half_kl, rel=1e-4)
+    model.eval()
+    assert Objective(model, 0.1, 5.0)(*batch)[0].item() == pytest.approx(Objective(model, 0.1, 0.0)(*batch)[0].item())
