@@ -1,5 +1,6 @@
 """Label-smoothed cross-entropy (Szegedy et al. 2016), the paper's training loss, plus the
-plain NLL for logging, and the symmetric KL divergence of R-Drop. Only real target positions are passed in, so no pad masking here.
+plain NLL for logging, and the symmetric KL divergence of R-Drop. Only real target positions are
+passed in, so no pad masking here.
 
 Convention: the smoothed target puts 1 - eps on the reference token and spreads eps uniformly
 over ALL V classes (the reference and pad included), i.e. q = (1 - eps) * onehot + eps / V.
@@ -13,6 +14,12 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+
+def _float32_or_wider(logits: Tensor) -> Tensor:
+    """float32 even under autocast (bf16/fp16 logits lose too much in exp and sums over V);
+    float64 stays float64 (gradcheck)."""
+    return logits if logits.dtype == torch.float64 else logits.float()
 
 
 def label_smoothed_loss(logits: Tensor, target: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -34,7 +41,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, target: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        x = logits if logits.dtype == torch.float64 else logits.float()  # float32 even under autocast
+        x = _float32_or_wider(logits)
         peak = x.amax(dim=-1, keepdim=True)
         exp = torch.sub(x, peak).exp_()  # (N, V), becomes the gradient in backward
         total = exp.sum(dim=-1, keepdim=True)
@@ -83,8 +90,8 @@ class _SymmetricKL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits_a: Tensor, logits_b: Tensor) -> Tensor:
-        log_p = torch.log_softmax(logits_a if logits_a.dtype == torch.float64 else logits_a.float(), dim=-1)
-        log_q = torch.log_softmax(logits_b if logits_b.dtype == torch.float64 else logits_b.float(), dim=-1)
+        log_p = torch.log_softmax(_float32_or_wider(logits_a), dim=-1)
+        log_q = torch.log_softmax(_float32_or_wider(logits_b), dim=-1)
         p, q = log_p.exp(), log_q.exp()
         d = log_p.sub_(log_q)  # log p - log q, in place (log p is not needed again)
         ctx.save_for_backward(p, q, d)
