@@ -142,7 +142,7 @@ def train(
 @app.command()
 @friendly
 def translate(
-    checkpoint: Path = typer.Option(..., "--checkpoint", help="A checkpoint written by `mtrain train` (best.pt, last.pt, ...)."),
+    checkpoint: List[Path] = typer.Option(..., "--checkpoint", help="A checkpoint written by `mtrain train` (best.pt, last.pt, ...); repeat it to decode with an ensemble (the mean of the models' probabilities)."),
     input: str = typer.Option("-", "--input", "-i", help="Raw text, one sentence a line; - for stdin."),
     output: str = typer.Option("-", "--output", "-o", help="Where translations go; - for stdout."),
     beam: Optional[int] = typer.Option(None, "--beam", help="Beam size (decode.beam, default 5)."),
@@ -170,7 +170,7 @@ def translate(
     )
     from mtrain.translate import translate_file
 
-    translate_file(checkpoint, input, output, cfg.decode, device=device)
+    translate_file(list(checkpoint), input, output, cfg.decode, device=device)
 
 
 @app.command(name="eval")
@@ -178,7 +178,7 @@ def translate(
 def evaluate(
     hyp: Optional[Path] = typer.Option(None, "--hyp", help="Detokenized hypotheses, one a line."),
     ref: List[Path] = typer.Option(..., "--ref", help="Raw reference file (repeat for several references)."),
-    checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="Translate --src with this checkpoint, then score."),
+    checkpoint: Optional[List[Path]] = typer.Option(None, "--checkpoint", help="Translate --src with this checkpoint, then score; repeat it for an ensemble."),
     src: Optional[Path] = typer.Option(None, "--src", help="Source file to translate (with --checkpoint)."),
     output_hyp: Optional[Path] = typer.Option(None, "--output-hyp", help="Also write the translations here (with --checkpoint)."),
     beam: Optional[int] = typer.Option(None, "--beam", help="Beam size (decode.beam)."),
@@ -199,7 +199,7 @@ def evaluate(
     run_eval(
         hyp=hyp,
         refs=list(ref),
-        checkpoint=checkpoint,
+        checkpoint=list(checkpoint) if checkpoint else None,
         src=src,
         output_hyp=output_hyp,
         decode=cfg.decode,

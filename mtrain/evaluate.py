@@ -133,13 +133,13 @@ def write_lines_atomic(lines: Sequence[str], path: str | Path) -> None:
         handle.writelines(line + "\n" for line in lines)
 
 
-def _translate(checkpoint: Path, lines: list[str], decode, device: str) -> list[str]:
-    from mtrain.checkpoint import load_model
+def _translate(checkpoints: Path | list[Path], lines: list[str], decode, device: str) -> list[str]:
+    from mtrain.ensemble import load_models
     from mtrain.translate import check_decode, resolve_device, translate_lines
 
     check_decode(decode)
     resolved = resolve_device(device)
-    model, tokenizer, ckpt = load_model(checkpoint, resolved)
+    model, tokenizer, ckpt = load_models(checkpoints, resolved)
     return translate_lines(model, tokenizer, lines, decode, resolved, stats=ckpt.get("stats") or None, progress=True)
 
 
@@ -180,10 +180,11 @@ def _hypotheses(hyp, checkpoint, src, output_hyp, decode, device, ref_lines, ref
     return hyps, f"translations of {src}"
 
 
-def run_eval(hyp: Path | None, refs: list[Path], checkpoint: Path | None, src: Path | None,
+def run_eval(hyp: Path | None, refs: list[Path], checkpoint: Path | list[Path] | None, src: Path | None,
              output_hyp: Path | None, decode, lowercase: bool = False, tokenize: str | None = None,
              worst: int = 0, as_json: bool = False, device: str = "auto") -> dict[str, Any]:
-    """`mtrain eval`: score a hypothesis file, or translate --src with a checkpoint and score that.
+    """`mtrain eval`: score a hypothesis file, or translate --src with a checkpoint (several: an
+    ensemble) and score that.
 
     Prints the metrics with signatures (or one JSON object with --json) on stdout; returns the dict."""
     _check_options(hyp, checkpoint, src, output_hyp, worst)

@@ -185,18 +185,20 @@ def atomic_output(output: str) -> Iterator[IO[str]]:
         yield sink
 
 
-def translate_file(checkpoint: str | Path, input: str, output: str, decode: DecodeConfig, device: str = "auto") -> None:
+def translate_file(checkpoints: str | Path | list[str | Path], input: str, output: str, decode: DecodeConfig,
+                   device: str = "auto") -> None:
     """`mtrain translate`: stream `input` (a path or - for stdin) in chunks and write exactly one
     line per input line (nbest lines with --nbest) to `output` (- for stdout). A named output is
-    written to a temp file in its folder and renamed at the end: an error leaves no half file."""
+    written to a temp file in its folder and renamed at the end: an error leaves no half file.
+    Several checkpoints decode as an ensemble (mtrain.ensemble)."""
     from tqdm import tqdm
 
-    from mtrain.checkpoint import load_model
+    from mtrain.ensemble import load_models
 
     check_decode(decode)
     resolved = resolve_device(device)
     with open_input(input) as (handle, name, interactive):
-        model, tokenizer, ckpt = load_model(checkpoint, resolved)
+        model, tokenizer, ckpt = load_models(checkpoints, resolved)
         stats = ckpt.get("stats") or None
         # Typed lines are answered one at a time; files and pipes go in chunks with a progress bar.
         size = 1 if interactive else CHUNK_LINES

@@ -4,17 +4,21 @@
 # references are found, lowercased tokenized BLEU (the papers' metric) and its brevity penalty.
 #   scripts/lenpen_sweep.sh CHECKPOINT TOKENIZED_DIR TGT_LANG [LENPEN ...]   (default: 0.6 1.0 1.5 2.0)
 #   e.g. scripts/lenpen_sweep.sh runs/multi30k-en-de/averaged.pt data/multi30k-tok-en-de de
-# Hypotheses and scores go to <checkpoint folder>/lenpen-sweep/.
+# CHECKPOINT may be a comma-separated list (A.pt,B.pt): they decode as an ensemble.
+# Hypotheses and scores go to <first checkpoint's folder>/lenpen-sweep/, or to $SWEEP_OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ $# -ge 3 ] || { sed -n 2,7p "$0" >&2; exit 2; }
+[ $# -ge 3 ] || { sed -n 2,9p "$0" >&2; exit 2; }
 CKPT=$1 TOK=$2 TGT=$3; shift 3
 LENPENS=("$@"); [ ${#LENPENS[@]} -gt 0 ] || LENPENS=(0.6 1.0 1.5 2.0)
-OUT="$(dirname "$CKPT")/lenpen-sweep"; mkdir -p "$OUT"
+CKPT_ARGS=()
+IFS=, read -ra CKPTS <<< "$CKPT"
+for c in "${CKPTS[@]}"; do CKPT_ARGS+=(--checkpoint "$c"); done
+OUT=${SWEEP_OUT:-"$(dirname "${CKPTS[0]}")/lenpen-sweep"}; mkdir -p "$OUT"
 . scripts/tok_bleu.sh
 TOKREF=$(find_tokref valid "$TGT")
 for lp in "${LENPENS[@]}"; do
-    mtrain eval --checkpoint "$CKPT" --src "$TOK/valid.src.txt" --ref "$TOK/valid.tgt.txt" --beam 5 \
+    mtrain eval "${CKPT_ARGS[@]}" --src "$TOK/valid.src.txt" --ref "$TOK/valid.tgt.txt" --beam 5 \
         --lenpen "$lp" --output-hyp "$OUT/valid.lp$lp.hyp" --json > "$OUT/valid.lp$lp.json"
     tok_json=none
     if [ -n "$TOKREF" ]; then

@@ -306,6 +306,11 @@ def test_checkpoint_path_scores_a_multi30k_slice(tokenized_slice, tmp_path):
     again = score(hyps, [read_lines(ref)])
     assert {k: again[k] for k in ("bleu", "chrf", "ter")} == {k: summary[k] for k in ("bleu", "chrf", "ter")}
     assert not list(out_hyp.parent.glob(".*.tmp"))  # the atomic write left no temp file
+    # --checkpoint twice: an ensemble of the model with itself scores exactly as the model alone.
+    twice = run_cli("--checkpoint", ckpt_path, "--checkpoint", ckpt_path, "--src", src, "--ref", ref, "--beam", "2",
+                    "--set", "decode.max_len_b=2", "--device", "cpu", "--json")
+    assert twice.exit_code == 0, twice.output
+    assert {k: json.loads(twice.stdout)[k] for k in ("bleu", "chrf", "ter")} == {k: summary[k] for k in ("bleu", "chrf", "ter")}
 
 
 def test_unk_rendering_gets_its_own_hint(tmp_path, files):

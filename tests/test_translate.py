@@ -192,3 +192,54 @@ def test_cli_bad_arguments_fail_in_one_line(checkpoint, args, needle):
     result = run("--checkpoint", checkpoint, *args, input="Hallo\n")
     assert result.exit_code == 1
     assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+# --- ensembles from the command line ---------------------------------------------------------------
+
+def resave(checkpoint, path, **changes):
+    """A copy of `checkpoint` with some entries replaced (weights, tokenizer, config)."""
+    from mtrain.checkpoint import load, save_atomic
+
+    ckpt = load(checkpoint)
+    ckpt.update(changes)
+    save_atomic(ckpt, path)
+    return path
+
+
+def test_cli_ensemble_of_a_checkpoint_with_itself_translates_as_it_does(checkpoint, tmp_path):
+    alone = run("--checkpoint", checkpoint, "--beam", "3", "--device", "cpu", input="\n".join(REAL) + "\n")
+    twice = run("--checkpoint", checkpoint, "--checkpoint", resave(checkpoint, tmp_path / "copy.pt"),
+                "--beam", "3", "--device", "cpu", input="\n".join(REAL) + "\n")
+    assert alone.exit_code == twice.exit_code == 0, twice.output
+    assert twice.stdout == alone.stdout and len(twice.stdout.splitlines()) == len(REAL)
+
+
+def test_cli_ensemble_of_different_models_is_line_aligned(checkpoint, tmp_path):
+    from mtrain.checkpoint import load
+
+    torch.manual_seed(1)
+    weights = {name: torch.randn_like(w) * 0.1 for name, w in load(checkpoint)["model"].items()}
+    other = resave(checkpoint, tmp_path / "other.pt", model=weights)
+    lines = REAL + ["", REAL[0]]
+    result = run("--checkpoint", checkpoint, "--checkpoint", other, "--beam", "2", "--device", "cpu",
+                 input="\n".join(lines) + "\n")
+    assert result.exit_code == 0, result.output
+    out = result.stdout.split("\n")
+    assert len(out) - 1 == len(lines) and out[4] == "" and out[0] == out[5]
+
+
+def test_cli_ensemble_needs_one_vocabulary_and_one_direction(checkpoint, tokenized_slice, tmp_path):
+    from mtrain.checkpoint import load
+    from mtrain.config import TokenizerConfig
+    from mtrain.tokenizer import Tokenizer
+
+    lines = (tokenized_slice / "train.src.txt").read_text(encoding="utf-8").splitlines()[:500]
+    other_vocab = Tokenizer.train(lines, lines, TokenizerConfig(vocab_size=400)).to_state()
+    config = load(checkpoint)["config"]
+    reversed_pair = {**config, "data": {**config["data"], "src": config["data"]["tgt"], "tgt": config["data"]["src"]}}
+    for path, needle in [(resave(checkpoint, tmp_path / "vocab.pt", tokenizer=other_vocab), "vocabulary differs"),
+                         (resave(checkpoint, tmp_path / "reversed.pt", config=reversed_pair), "translates en->de")]:
+        result = run("--checkpoint", checkpoint, "--checkpoint", path, "--device", "cpu", input="Hallo\n")
+        assert result.exit_code == 1
+        assert f"{path}: " in result.stderr and needle in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output

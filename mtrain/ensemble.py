@@ -1,0 +1,102 @@
+"""Several checkpoints decoding as one model (an ensemble).
+
+At each step the ensemble's next-token distribution is the mean of its models' distributions,
+p(y | x, prefix) = (1/M) sum_m p_m(y | x, prefix), the usual NMT ensemble (fairseq and Marian
+average probabilities too). `Ensemble` has the interface the searches use (encode, new_cache,
+decode), so greedy and beam search run unchanged; decode returns log-probabilities, which they
+treat as logits (a log_softmax of log-probabilities changes nothing). Each model keeps its own
+encoder output and KV cache; the ensemble indexes and reorders them together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from torch import Tensor
+
+from mtrain.errors import MtrainError
+
+
+class Memories:
+    """One encoder output per model. Searches drop finished sentences with `memory[rows]`, which
+    here selects the same rows of every model's output."""
+
+    def __init__(self, parts: Iterable[Tensor]) -> None:
+        self.parts = list(parts)
+
+    def __getitem__(self, rows) -> Memories:
+        return Memories(part[rows] for part in self.parts)
+
+
+class EnsembleCache:
+    """One KV cache per model, expanded to beams and reordered in step."""
+
+    def __init__(self, caches: list) -> None:
+        self.caches = caches
+
+    def expand_beams(self, group: int) -> EnsembleCache:
+        return EnsembleCache([cache.expand_beams(group) for cache in self.caches])
+
+    def reorder(self, index: Tensor, cross: bool = True) -> None:
+        for cache in self.caches:
+            cache.reorder(index, cross=cross)
+
+
+class Ensemble:
+    """Models that share one target vocabulary, decoding as one (see the module docstring)."""
+
+    def __init__(self, models: list) -> None:
+        if not models:
+            raise ValueError("an ensemble needs at least one model")
+        sizes = {model.cfg.vocab_size for model in models}
+        if len(sizes) > 1:
+            raise ValueError(f"ensemble members have different target vocabulary sizes: {sorted(sizes)}")
+        self.models = list(models)
+        # translate cuts inputs to cfg.max_len - 1 tokens: the tightest member's limit holds for all.
+        self.cfg = dataclasses.replace(models[0].cfg, max_len=min(model.cfg.max_len for model in models))
+
+    def encode(self, src: Tensor) -> Memories:
+        return Memories(model.encode(src) for model in self.models)
+
+    def new_cache(self, group: int = 1) -> EnsembleCache:
+        return EnsembleCache([model.new_cache(group) for model in self.models])
+
+    def decode(self, tgt: Tensor, memory: Memories, src: Tensor, cache: EnsembleCache | None = None) -> Tensor:
+        """(B, t) target ids -> float32 log of the mean of the members' probabilities (B, t, V)."""
+        caches = cache.caches if cache is not None else [None] * len(self.models)
+        log_probs = torch.stack([torch.log_softmax(model.decode(tgt, part, src, c).float(), dim=-1)
+                                 for model, part, c in zip(self.models, memory.parts, caches)])
+        return torch.logsumexp(log_probs, dim=0) - math.log(len(self.models))
+
+
+def load_models(paths: str | Path | list[str | Path], device: str | torch.device = "cpu"):
+    """(model, tokenizer, first checkpoint) for one checkpoint, or an Ensemble of several that were
+    trained on the same tokenized data (same SentencePiece model, same languages)."""
+    from mtrain.checkpoint import load_model
+
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    if not paths:
+        raise MtrainError("no checkpoint given; pass --checkpoint FILE (repeat it for an ensemble)")
+    loaded = [load_model(path, device) for path in paths]
+    if len(loaded) == 1:
+        return loaded[0]
+    first_path, (_, tokenizer, first) = paths[0], loaded[0]
+    for path, (_, _, ckpt) in zip(paths[1:], loaded[1:]):
+        if ckpt["tokenizer"] != first["tokenizer"]:
+            raise MtrainError(f"{path}: its vocabulary differs from {first_path}'s; an ensemble needs checkpoints "
+                              "trained on the same `mtrain tokenize` output")
+        pair, first_pair = _languages(ckpt), _languages(first)
+        if pair != first_pair:
+            raise MtrainError(f"{path}: translates {pair[0]}->{pair[1]}, but {first_path} translates "
+                              f"{first_pair[0]}->{first_pair[1]}; ensemble checkpoints of one direction")
+    return Ensemble([model for model, _, _ in loaded]), tokenizer, first
+
+
+def _languages(ckpt: dict) -> tuple[str, str]:
+    data = ckpt["config"].get("data", {})
+    return data.get("src", "?"), data.get("tgt", "?")

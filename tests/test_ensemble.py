@@ -1,0 +1,109 @@
+"""Ensembles (mtrain.ensemble): the step distribution is the mean of the members' probabilities,
+cached decoding equals uncached, beam search equals the textbook reference on the ensemble, a
+beam of one equals greedy, and an ensemble of a model with itself is that model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtrain.config import ModelConfig
+from mtrain.ensemble import Ensemble
+from mtrain.model import Transformer
+from mtrain.search import beam_search, greedy_search
+from mtrain.tokenizer import BOS_ID, EOS_ID
+from test_search import beam_reference, greedy_uncached, random_batch
+
+
+def random_model(seed: int, vocab: int = 12) -> Transformer:
+    """A small random model whose outputs vary with source and position (see test_search.model)."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(d_model=32, d_ff=64, n_heads=4, n_encoder_layers=2, n_decoder_layers=2,
+                      vocab_size=vocab, dropout=0.0, max_len=64)
+    model = Transformer(cfg).eval()
+    model.proj = torch.nn.Linear(cfg.d_model, vocab)
+    torch.nn.init.normal_(model.proj.weight, std=0.4)
+    torch.nn.init.zeros_(model.proj.bias)
+    model.proj.bias.data[EOS_ID] = 1.0
+    return model
+
+
+@pytest.fixture(scope="module")
+def pair() -> Ensemble:
+    return Ensemble([random_model(1), random_model(2)])
+
+
+@torch.inference_mode()
+def test_step_distribution_is_the_mean_of_the_members(pair):
+    src, _ = random_batch(3, n=2)
+    tgt = torch.tensor([[BOS_ID, 5, 7, 4], [BOS_ID, 9, 6, 8]])
+    probs = [torch.softmax(model(src, tgt).double(), dim=-1) for model in pair.models]
+    expected = ((probs[0] + probs[1]) / 2).log()
+    got = pair.decode(tgt, pair.encode(src), src)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.exp().sum(-1), torch.ones(2, 4), atol=1e-5, rtol=0)  # a distribution
+
+
+@torch.inference_mode()
+def test_cached_decoding_equals_uncached(pair):
+    src, _ = random_batch(4, n=3)
+    tgt = torch.tensor([[BOS_ID, 5, 7, 4, 6], [BOS_ID, 9, 6, 8, 8], [BOS_ID, 4, 4, 10, 5]])
+    whole = pair.decode(tgt, pair.encode(src), src)
+    memory, cache = pair.encode(src), pair.new_cache()
+    steps = [pair.decode(tgt[:, t : t + 1], memory, src, cache) for t in range(tgt.size(1))]
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, atol=1e-5, rtol=0)
+
+
+def test_cached_greedy_equals_uncached(pair):
+    with torch.inference_mode():
+        for seed in range(3):
+            src, max_len = random_batch(seed)
+            assert greedy_search(pair, src, max_len) == greedy_uncached(pair, src, max_len)
+
+
+def test_beam_one_equals_greedy(pair):
+    for seed in range(3):
+        src, max_len = random_batch(seed)
+        beams = beam_search(pair, src, beam=1, lenpen=0.0, max_len=max_len)
+        assert [hyps[0][0] for hyps in beams] == greedy_search(pair, src, max_len)
+
+
+@pytest.mark.parametrize("beam", [2, 4])
+def test_beam_search_equals_textbook_reference(pair, beam):
+    # Beam reordering, the one-row first step, sentences leaving the batch: every member's cache
+    # and memory must follow, or the ensemble's cached search would drift from the reference.
+    with torch.inference_mode():
+        src, max_len = random_batch(21)
+        out = beam_search(pair, src, beam=beam, lenpen=0.6, max_len=max_len, nbest=beam)
+        for i in range(src.size(0)):
+            row = src[i : i + 1, : int((src[i] != 0).sum())]
+            ref = beam_reference(pair, row, beam, 0.6, int(max_len[i]))
+            assert [ids for ids, _ in out[i]] == [ids for ids, _ in ref]
+            assert [s for _, s in out[i]] == pytest.approx([s for _, s in ref], abs=1e-4)
+
+
+def test_members_disagree_so_the_ensemble_is_not_one_of_them(pair):
+    # Guards the tests above against a degenerate pair whose members always agree.
+    src, max_len = random_batch(11)
+    first, second = (greedy_search(model, src, max_len) for model in pair.models)
+    assert first != second
+
+
+def test_ensemble_of_a_model_with_itself_is_the_model():
+    model = random_model(1)
+    twice = Ensemble([model, model])
+    src, max_len = random_batch(5)
+    alone = beam_search(model, src, beam=3, lenpen=0.6, max_len=max_len, nbest=3)
+    both = beam_search(twice, src, beam=3, lenpen=0.6, max_len=max_len, nbest=3)
+    assert [[ids for ids, _ in h] for h in both] == [[ids for ids, _ in h] for h in alone]
+    assert [s for h in both for _, s in h] == pytest.approx([s for h in alone for _, s in h], abs=1e-4)
+    assert greedy_search(twice, src, max_len) == greedy_search(model, src, max_len)
+
+
+def test_members_must_share_the_vocabulary():
+    with pytest.raises(ValueError, match="vocabulary"):
+        Ensemble([random_model(1, vocab=12), random_model(2, vocab=13)])
+    shorter = random_model(3)
+    shorter.cfg = ModelConfig(**{**shorter.cfg.__dict__, "max_len": 32})
+    assert Ensemble([random_model(1), shorter]).cfg.max_len == 32  # inputs are cut for the tightest member
