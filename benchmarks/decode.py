@@ -1,5 +1,6 @@
 """Decoding speed, side by side: mtrain greedy and beam 5, Hugging Face `MarianMTModel.generate`
-(beam 5) and CTranslate2 (beam 5, when installed) on the same Multi30k test2016 sentences.
+(beam 5) and CTranslate2 (beam 5, when installed) on the same Multi30k test2016 sentences; and
+mtrain's beam 5 with an ensemble of two such models (`--checkpoint A --checkpoint B`).
 
 The models are randomly initialised at one shape (post-norm, d_model 256, 3+3 layers, d_ff 1024,
 4 heads, vocab 8000), so every system is made to decode exactly the same number of steps: each
@@ -10,7 +11,7 @@ All systems see the same length-sorted batches (mtrain's 4096 source-token budge
 
 Prints a table (stderr with --json) and, with --json, one JSON object on stdout with
 mtrain_greedy_sent_s, mtrain_beam5_sent_s, hf_beam5_sent_s, ct2_beam5_sent_s (when installed),
-the matching *_tok_s (target tokens/s: decoding steps x sentences) and the ratios.
+mtrain_ensemble2_beam5_sent_s, the matching *_tok_s (target tokens/s: decoding steps x sentences) and the ratios.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mtrain.config import ModelConfig, TokenizerConfig  # noqa: E402
+from mtrain.ensemble import Ensemble  # noqa: E402
 from mtrain.model import Transformer  # noqa: E402
 from mtrain.search import beam_search, greedy_search  # noqa: E402
 from mtrain.tokenizer import EOS_ID, PAD_ID, Tokenizer  # noqa: E402
@@ -108,6 +110,14 @@ def run_mtrain(model: FixedLength, src: torch.Tensor, steps: int, beam: int) -> 
     else:
         out = beam_search(model, src, beam, 0.6, max_len)
         assert all(len(hyps[0][0]) == steps - 1 for hyps in out)
+
+
+def run_ensemble(members: list[FixedLength], src: torch.Tensor, steps: int, beam: int) -> None:
+    """Beam search with the members decoding as one model; each member suppresses EOS itself."""
+    for member in members:
+        member.steps = steps
+    out = beam_search(Ensemble(members), src, beam, 0.6, torch.full((src.size(0),), steps - 1))
+    assert all(len(hyps[0][0]) == steps - 1 for hyps in out)
 
 
 def marian_config(vocab: int):
@@ -203,6 +213,8 @@ def main() -> None:
     warmup = batches_of(ids[:8])
     torch.manual_seed(0)
     model = FixedLength(Transformer(SHAPE).eval())
+    torch.manual_seed(1)
+    members = [model, FixedLength(Transformer(SHAPE).eval())]
     results: dict[str, float] = {}
     table = sys.stderr if args.json else sys.stdout  # the readable table; JSON alone on stdout
     emit = lambda line: print(line, file=table, flush=True)  # noqa: E731
@@ -210,6 +222,7 @@ def main() -> None:
     systems = {
         "mtrain_greedy": lambda src, steps: run_mtrain(model, src, steps, 1),
         "mtrain_beam5": lambda src, steps: run_mtrain(model, src, steps, BEAM),
+        "mtrain_ensemble2_beam5": lambda src, steps: run_ensemble(members, src, steps, BEAM),
     }
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_hf and importlib.util.find_spec("transformers"):
@@ -237,6 +250,9 @@ def main() -> None:
             ratio = results["mtrain_beam5_sent_s"] / results[f"{peer}_beam5_sent_s"]
             results[f"mtrain_beam5_vs_{peer}"] = round(ratio, 3)
             emit(f"mtrain beam 5 / {peer} beam 5: {ratio:.2f}x")
+    ratio = results["mtrain_ensemble2_beam5_sent_s"] / results["mtrain_beam5_sent_s"]
+    results["mtrain_ensemble2_vs_single_beam5"] = round(ratio, 3)
+    emit(f"mtrain beam 5, ensemble of 2 / one model: {ratio:.2f}x (2 models: 0.5x would be the compute ratio)")
     results.update(sentences=n, threads=threads, torch=torch.__version__, machine=platform.machine(),
                    shape="d256 3+3 ff1024 h4 v8000", max_tokens=MAX_TOKENS)
     if args.json:
