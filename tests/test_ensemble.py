@@ -1,6 +1,7 @@
 """Ensembles (mtrain.ensemble): the step distribution is the mean of the members' probabilities,
-cached decoding equals uncached, beam search equals the textbook reference on the ensemble, a
-beam of one equals greedy, and an ensemble of a model with itself is that model."""
+cached decoding equals uncached, test_search's search properties (cached = uncached greedy, beam 1 =
+greedy, batch = each sentence alone, beam = the textbook reference) hold for the ensemble, and an
+ensemble of a model with itself is that model."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from mtrain.ensemble import Ensemble
 from mtrain.model import Transformer
 from mtrain.search import beam_search, greedy_search
 from mtrain.tokenizer import BOS_ID, EOS_ID
-from test_search import beam_reference, greedy_uncached, random_batch
+import test_search as search_tests
+from test_search import random_batch
 
 
 def random_model(seed: int, vocab: int = 12) -> Transformer:
@@ -55,32 +57,18 @@ def test_cached_decoding_equals_uncached(pair):
     torch.testing.assert_close(torch.cat(steps, dim=1), whole, atol=1e-5, rtol=0)
 
 
-def test_cached_greedy_equals_uncached(pair):
-    with torch.inference_mode():
-        for seed in range(3):
-            src, max_len = random_batch(seed)
-            assert greedy_search(pair, src, max_len) == greedy_uncached(pair, src, max_len)
-
-
-def test_beam_one_equals_greedy(pair):
-    for seed in range(3):
-        src, max_len = random_batch(seed)
-        beams = beam_search(pair, src, beam=1, lenpen=0.0, max_len=max_len)
-        assert [hyps[0][0] for hyps in beams] == greedy_search(pair, src, max_len)
-
-
-@pytest.mark.parametrize("beam", [2, 4])
-def test_beam_search_equals_textbook_reference(pair, beam):
-    # Beam reordering, the one-row first step, sentences leaving the batch: every member's cache
-    # and memory must follow, or the ensemble's cached search would drift from the reference.
-    with torch.inference_mode():
-        src, max_len = random_batch(21)
-        out = beam_search(pair, src, beam=beam, lenpen=0.6, max_len=max_len, nbest=beam)
-        for i in range(src.size(0)):
-            row = src[i : i + 1, : int((src[i] != 0).sum())]
-            ref = beam_reference(pair, row, beam, 0.6, int(max_len[i]))
-            assert [ids for ids, _ in out[i]] == [ids for ids, _ in ref]
-            assert [s for _, s in out[i]] == pytest.approx([s for _, s in ref], abs=1e-4)
+@pytest.mark.parametrize("check, args", [
+    (search_tests.test_cached_greedy_equals_uncached, ()),
+    (search_tests.test_beam_one_equals_greedy, ()),
+    (search_tests.test_batch_equals_each_sentence_alone, (3,)),
+    # Beam reordering, the one-row first step, sentences leaving the batch: every member's cache and
+    # memory must follow, or the cached search would drift from the textbook reference.
+    (search_tests.test_beam_search_equals_textbook_reference, (2,)),
+    (search_tests.test_beam_search_equals_textbook_reference, (4,)),
+], ids=["cached-greedy=uncached", "beam1=greedy", "batch=alone", "beam2=textbook", "beam4=textbook"])
+def test_search_properties_hold_for_an_ensemble(pair, check, args):
+    """test_search's properties, run on the ensemble instead of one model."""
+    check(pair, *args)
 
 
 def test_members_disagree_so_the_ensemble_is_not_one_of_them(pair):
