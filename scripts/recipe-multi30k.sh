@@ -15,6 +15,8 @@
 # tokenized (there is no cased output to score). MULTI30K_TEXT=raw trains on the original text.
 # Defaults, each chosen on the valid split (docs/recipe.md): de-en raw, en-de lc-tok.
 # LENPEN=x scores with length penalty x instead of the config's decode.lenpen.
+# ENSEMBLE_WITH=OTHER_RUN scores this run's averaged.pt together with OTHER_RUN/averaged.pt, as an ensemble
+# (e.g. a second seed of the same config on the same tokenized data; docs/recipe.md, session 16).
 # DRY_RUN=1 prints the resolved direction, text, config and folders and exits.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,8 +36,12 @@ esac
 CONFIG=configs/multi30k-$DIR.yaml
 TOK=${TOK:-data/multi30k-tok-$DIR$VARIANT}
 RUN=${RUN:-runs/multi30k-$DIR$VARIANT}
+ENSEMBLE_WITH=${ENSEMBLE_WITH:-}
+if [ -n "$ENSEMBLE_WITH" ] && [ ! -f "$ENSEMBLE_WITH/averaged.pt" ]; then  # fail now, not after training
+    echo "ENSEMBLE_WITH=$ENSEMBLE_WITH: no averaged.pt there; finish that run first (RUN=$ENSEMBLE_WITH $0 $DIR)" >&2; exit 2
+fi
 if [ -n "${DRY_RUN:-}" ]; then
-    echo "direction=$DIR text=$MULTI30K_TEXT config=$CONFIG tok=$TOK run=$RUN"; exit 0
+    echo "direction=$DIR text=$MULTI30K_TEXT config=$CONFIG tok=$TOK run=$RUN${ENSEMBLE_WITH:+ ensemble_with=$ENSEMBLE_WITH}"; exit 0
 fi
 
 if [ -z "${VIRTUAL_ENV:-}" ]; then
@@ -91,10 +97,12 @@ fi
 # The length penalty is the config's decode.lenpen (chosen on the valid split; see docs/recipe.md),
 # unless LENPEN=x is given (e.g. a text or setting whose own valid sweep chose another one).
 LENPEN=${LENPEN:-$(python -c "from mtrain.config import load_config; print(load_config('$CONFIG').decode.lenpen)")}
-echo "scoring $CKPT on test2016 (beam 5, lenpen $LENPEN)" >&2
+CKPT_ARGS=(--checkpoint "$CKPT")
+[ -n "$ENSEMBLE_WITH" ] && CKPT_ARGS+=(--checkpoint "$ENSEMBLE_WITH/averaged.pt")
+echo "scoring $CKPT${ENSEMBLE_WITH:+ with $ENSEMBLE_WITH/averaged.pt (ensemble)} on test2016 (beam 5, lenpen $LENPEN)" >&2
 # Trained on lowercased tokenized text, the output has that form too: score it as it is.
 score_args=(); [ "$MULTI30K_TEXT" = lc-tok ] && score_args=(--lowercase --tokenize none)
-mtrain eval --checkpoint "$CKPT" --src "$TEST_SRC" --ref "$TEST_REF" --beam 5 --lenpen "$LENPEN" \
+mtrain eval "${CKPT_ARGS[@]}" --src "$TEST_SRC" --ref "$TEST_REF" --beam 5 --lenpen "$LENPEN" \
     --output-hyp "$RUN/test2016.hyp" "${score_args[@]}" --json > "$RUN/test2016.sacrebleu.json"
 tok_args=()
 if [ -n "$TOKREF" ]; then
@@ -104,6 +112,6 @@ else
     echo "note: no tok/test2016.lc.norm.tok.$TGT (data/multi30k/tok or $MULTI30K_SHARED/tok); skipping tokenized BLEU" >&2
 fi
 python scripts/recipe_report.py --run "$RUN" --sacrebleu "$RUN/test2016.sacrebleu.json" "${tok_args[@]}" \
-    --meta direction=$DIR --meta config=$CONFIG --meta checkpoint="$CKPT" --meta decode="beam 5, lenpen $LENPEN" \
+    --meta direction=$DIR --meta config=$CONFIG --meta checkpoint="$CKPT${ENSEMBLE_WITH:+ + $ENSEMBLE_WITH/averaged.pt}" --meta decode="beam 5, lenpen $LENPEN" \
     --meta text=$MULTI30K_TEXT --meta tok_ref="${TOKREF:-none}" --meta eval_lines="${EVAL_LINES:-all}" --meta train_hours_cap="${TRAIN_HOURS:-2.75}"
 cat "$RUN/results.json"

@@ -180,7 +180,7 @@ def test_data_helper_without_tokenized_files_says_where_to_get_them(tmp_path):
 
 
 def _recipe_plan(direction: str, **env: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("MULTI30K_TEXT", "RUN", "TOK")} | {"DRY_RUN": "1", **env}
+    env = {k: v for k, v in os.environ.items() if k not in ("MULTI30K_TEXT", "RUN", "TOK", "ENSEMBLE_WITH")} | {"DRY_RUN": "1", **env}
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "recipe-multi30k.sh"), direction],
                           capture_output=True, text=True, env=env, check=True)
     return dict(item.split("=", 1) for item in proc.stdout.split())
@@ -195,6 +195,17 @@ def test_recipe_text_defaults_per_direction():
     # An explicit choice wins over the default, and names its own folders.
     assert _recipe_plan("en-de", MULTI30K_TEXT="raw")["run"] == "runs/multi30k-en-de"
     assert _recipe_plan("de-en", MULTI30K_TEXT="lc-tok", RUN="/tmp/r")["run"] == "/tmp/r"
+
+
+def test_recipe_ensemble_with_needs_a_finished_run(tmp_path):
+    # Checked before anything is installed or trained, so a typo does not cost an hour of training.
+    (tmp_path / "done").mkdir()
+    (tmp_path / "done" / "averaged.pt").write_bytes(b"")
+    assert _recipe_plan("en-de", ENSEMBLE_WITH=str(tmp_path / "done"))["ensemble_with"] == str(tmp_path / "done")
+    env = {k: v for k, v in os.environ.items() if k != "RUN"} | {"DRY_RUN": "1", "ENSEMBLE_WITH": str(tmp_path / "missing")}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "recipe-multi30k.sh"), "en-de"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "no averaged.pt" in proc.stderr and len(proc.stderr.splitlines()) == 1
 
 
 def test_recipe_script_rejects_an_unknown_text():
