@@ -5,29 +5,16 @@ ensemble of a model with itself is that model."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from mtrain.config import ModelConfig
 from mtrain.ensemble import Ensemble
-from mtrain.model import Transformer
 from mtrain.search import beam_search, greedy_search
-from mtrain.tokenizer import BOS_ID, EOS_ID
+from mtrain.tokenizer import BOS_ID
 import test_search as search_tests
-from test_search import random_batch
-
-
-def random_model(seed: int, vocab: int = 12) -> Transformer:
-    """A small random model whose outputs vary with source and position (see test_search.model)."""
-    torch.manual_seed(seed)
-    cfg = ModelConfig(d_model=32, d_ff=64, n_heads=4, n_encoder_layers=2, n_decoder_layers=2,
-                      vocab_size=vocab, dropout=0.0, max_len=64)
-    model = Transformer(cfg).eval()
-    model.proj = torch.nn.Linear(cfg.d_model, vocab)
-    torch.nn.init.normal_(model.proj.weight, std=0.4)
-    torch.nn.init.zeros_(model.proj.bias)
-    model.proj.bias.data[EOS_ID] = 1.0
-    return model
+from test_search import random_batch, random_model
 
 
 @pytest.fixture(scope="module")
@@ -93,5 +80,5 @@ def test_members_must_share_the_vocabulary():
     with pytest.raises(ValueError, match="vocabulary"):
         Ensemble([random_model(1, vocab=12), random_model(2, vocab=13)])
     shorter = random_model(3)
-    shorter.cfg = ModelConfig(**{**shorter.cfg.__dict__, "max_len": 32})
+    shorter.cfg = dataclasses.replace(shorter.cfg, max_len=32)
     assert Ensemble([random_model(1), shorter]).cfg.max_len == 32  # inputs are cut for the tightest member

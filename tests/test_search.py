@@ -185,11 +185,10 @@ def test_scripted_batch_mixes_sentences():
 
 # --- a small random Transformer -------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def model() -> Transformer:
-    torch.manual_seed(1)
+def random_model(seed: int, vocab: int = 12) -> Transformer:
+    torch.manual_seed(seed)
     cfg = ModelConfig(d_model=32, d_ff=64, n_heads=4, n_encoder_layers=2, n_decoder_layers=2,
-                      vocab_size=12, dropout=0.0, max_len=64)
+                      vocab_size=vocab, dropout=0.0, max_len=64)
     model = Transformer(cfg).eval()
     # A random model with tied embeddings only repeats one token. An untied random projection with
     # a raised EOS bias gives outputs that depend on source and position and end at varied lengths.
@@ -198,6 +197,11 @@ def model() -> Transformer:
     torch.nn.init.zeros_(model.proj.bias)
     model.proj.bias.data[EOS_ID] = 1.0
     return model
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    return random_model(1)
 
 
 def random_batch(seed: int, n: int = 6, vocab: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
