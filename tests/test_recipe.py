@@ -208,6 +208,18 @@ def test_recipe_ensemble_with_needs_a_finished_run(tmp_path):
     assert "no averaged.pt" in proc.stderr and len(proc.stderr.splitlines()) == 1
 
 
+def test_ensemble_recipe_trains_b_after_a_and_keeps_b_distinct():
+    # One command for session 16's ensemble: A, then B with ENSEMBLE_WITH=A, inside one total budget. The
+    # caller's options reach both runs, but B's seed comes last so it wins (the same seed twice would be A again).
+    env = {k: v for k, v in os.environ.items() if k not in ("RUN_A", "RUN_B", "TOTAL_HOURS", "TRAIN_HOURS")} | {"DRY_RUN": "1"}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "recipe-multi30k-ensemble.sh"), "--set", "train.seed=7"],
+                          capture_output=True, text=True, env=env, check=True)
+    a, b = proc.stdout.splitlines()
+    assert a.startswith("RUN=runs/multi30k-en-de-lctok ") and a.endswith("recipe-multi30k.sh en-de --set train.seed=7")
+    assert "ENSEMBLE_WITH=runs/multi30k-en-de-lctok " in b and "minus A's training time" in b
+    assert b.index("train.seed=7") < b.index("train.seed=2") and b.endswith("--set train.cooldown_steps=1800")
+
+
 def test_recipe_script_rejects_an_unknown_text():
     env = {**os.environ, "MULTI30K_TEXT": "cased"}
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "recipe-multi30k.sh"), "en-de"], capture_output=True, text=True, env=env)
