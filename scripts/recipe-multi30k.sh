@@ -40,6 +40,14 @@ ENSEMBLE_WITH=${ENSEMBLE_WITH:-}
 if [ -n "$ENSEMBLE_WITH" ] && [ ! -f "$ENSEMBLE_WITH/averaged.pt" ]; then  # fail now, not after training
     echo "ENSEMBLE_WITH=$ENSEMBLE_WITH: no averaged.pt there; finish that run first (RUN=$ENSEMBLE_WITH $0 $DIR)" >&2; exit 2
 fi
+# A fresh run needs a training budget: `timeout 0` would mean no limit at all, and a negative one is an error.
+if ! [[ "${TRAIN_HOURS:-2.75}" =~ ^[0-9]*\.?[0-9]+$ ]]; then
+    echo "TRAIN_HOURS=${TRAIN_HOURS}: give the training budget in hours as a number, e.g. TRAIN_HOURS=1.5" >&2; exit 2
+fi
+BUDGET=$(awk -v h="${TRAIN_HOURS:-2.75}" 'BEGIN { printf "%d", h * 3600 }')
+if [ ! -f "$RUN/metrics.jsonl" ] && [ "$BUDGET" -lt 60 ]; then
+    echo "TRAIN_HOURS=${TRAIN_HOURS:-2.75} gives $RUN under a minute of training; raise it (e.g. TRAIN_HOURS=1.5)" >&2; exit 2
+fi
 if [ -n "${DRY_RUN:-}" ]; then
     echo "direction=$DIR text=$MULTI30K_TEXT config=$CONFIG tok=$TOK run=$RUN${ENSEMBLE_WITH:+ ensemble_with=$ENSEMBLE_WITH}"; exit 0
 fi
@@ -61,7 +69,6 @@ python -c "import sacremoses" 2>/dev/null || python -m pip install -q "$(grep -E
 TOKREF=$(find_tokref test2016 $TGT)
 
 [ -f "$TOK/meta.json" ] || mtrain tokenize --config "$CONFIG" "${source_args[@]}" --src $SRC --tgt $TGT --out "$TOK"
-BUDGET=$(python -c "print(int(float('${TRAIN_HOURS:-2.75}') * 3600))")
 USED=$(python scripts/recipe_report.py --run "$RUN" --elapsed)
 LEFT=$((BUDGET - USED))
 # Less than 5 minutes left is not worth a restart (the log misses a few seconds per process anyway).

@@ -220,6 +220,18 @@ def test_ensemble_recipe_trains_b_after_a_and_keeps_b_distinct():
     assert b.index("train.seed=7") < b.index("train.seed=2") and b.endswith("--set train.cooldown_steps=1800")
 
 
+@pytest.mark.parametrize("hours, message", [("0", "under a minute"), ("0.01", "under a minute"), ("1.5h", "as a number")])
+def test_recipe_refuses_a_budget_that_cannot_train(tmp_path, hours, message):
+    # `timeout 0` means no limit at all: a zero budget must not start an unbounded run. Checked before installing.
+    env = {**os.environ, "DRY_RUN": "1", "RUN": str(tmp_path / "fresh"), "TRAIN_HOURS": hours}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "recipe-multi30k.sh"), "en-de"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert message in proc.stderr and len(proc.stderr.splitlines()) == 1
+    ok = subprocess.run(["bash", str(ROOT / "scripts" / "recipe-multi30k.sh"), "en-de"], capture_output=True, text=True,
+                        env=env | {"TRAIN_HOURS": ".5"})
+    assert ok.returncode == 0 and "run=" in ok.stdout
+
+
 def test_recipe_script_rejects_an_unknown_text():
     env = {**os.environ, "MULTI30K_TEXT": "cased"}
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "recipe-multi30k.sh"), "en-de"], capture_output=True, text=True, env=env)
