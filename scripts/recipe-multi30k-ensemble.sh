@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # The Multi30k en->de ensemble recipe, one command: model A (the default config), then model B (the same config,
 # seed 2, 5500 updates with the lr cooldown over the last 1800), then A and B decoded together on test2016.
-#   scripts/recipe-multi30k-ensemble.sh [extra `mtrain train` options for both models; B keeps its seed and length]
+#   scripts/recipe-multi30k-ensemble.sh [extra `mtrain train` options for both models]
 # TOTAL_HOURS (default 3) caps A's and B's training wall time together: B's TRAIN_HOURS is what A left, so a
 # slow host shortens B (its last checkpoints are averaged at the cap) instead of overrunning the budget.
+# B_SETTINGS (default: --set train.seed=2 --set train.max_steps=5500 --set train.cooldown_steps=1800) are B's own
+# options; they follow the extra options, so they win over the same keys given with --set.
 # RUN_A and RUN_B name the run folders (default runs/multi30k-en-de-lctok and runs/multi30k-en-de-lctok-seed2).
 # Re-running resumes whichever model is unfinished; finished ones are only re-scored.
 # Results: RUN_A/results.json (A alone) and RUN_B/results.json (A + B; the checkpoint field names both).
 # Why this shape (B shorter than A, seed 2) and what it scored: docs/recipe.md, sessions 16 and 17.
-# DRY_RUN=1 prints the two recipe commands and exits.
+# TRAIN_HOURS, when set, caps A alone (as in recipe-multi30k.sh). DRY_RUN=1 prints the two recipe commands and exits.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN_A=${RUN_A:-runs/multi30k-en-de-lctok}
 RUN_B=${RUN_B:-runs/multi30k-en-de-lctok-seed2}
 TOTAL_HOURS=${TOTAL_HOURS:-3}
-B_ARGS=(--set train.seed=2 --set train.max_steps=5500 --set train.cooldown_steps=1800)
+read -ra B_ARGS <<< "${B_SETTINGS:---set train.seed=2 --set train.max_steps=5500 --set train.cooldown_steps=1800}"
 if [ -n "${DRY_RUN:-}" ]; then
     echo "RUN=$RUN_A TRAIN_HOURS=${TRAIN_HOURS:-2.75} scripts/recipe-multi30k.sh en-de $*"
     echo "RUN=$RUN_B TRAIN_HOURS=<$TOTAL_HOURS h minus A's training time> ENSEMBLE_WITH=$RUN_A scripts/recipe-multi30k.sh en-de $* ${B_ARGS[*]}"
