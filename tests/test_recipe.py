@@ -383,3 +383,21 @@ def test_recipe_script_end_to_end_smoke(multi30k_dir, tmp_path):
     # Trained on lowercased tokenized text, test2016 is scored as it is: lowercased, no re-tokenization.
     assert results["tok_bleu_lc_signature"].startswith("nrefs:1|case:lc|eff:no|tok:none")
     assert len((tmp_path / "run" / "test2016.hyp").read_text().splitlines()) == 10
+
+
+@pytest.mark.slow
+def test_ensemble_recipe_end_to_end_smoke(multi30k_dir, tmp_path):
+    # Both models for a few updates, then A + B on 10 test lines: B is scored together with A, inside A's leftover budget.
+    env = {k: v for k, v in os.environ.items() if k not in ("MULTI30K_TEXT", "RUN", "TRAIN_HOURS", "ENSEMBLE_WITH")}
+    env |= {"VIRTUAL_ENV": sys.prefix, "PATH": VENV_PATH, "RUN_A": str(tmp_path / "a"), "RUN_B": str(tmp_path / "b"),
+            "TOK": str(tmp_path / "tok"), "EVAL_LINES": "10", "LENPEN": "1.0",
+            "B_SETTINGS": "--set train.seed=2 --set train.max_steps=3 --set train.cooldown_steps=1"}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "recipe-multi30k-ensemble.sh"), "--set", "train.max_steps=4",
+                           "--set", "train.cooldown_steps=2"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    a = json.loads((tmp_path / "a" / "results.json").read_text())
+    b = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert a["train_steps"] == 4 and b["train_steps"] == 3  # B's own settings win over the shared ones
+    assert b["checkpoint"] == f"{tmp_path / 'b' / 'averaged.pt'} + {tmp_path / 'a' / 'averaged.pt'}"
+    assert "model B gets the rest of the 3 h" in proc.stderr
+
