@@ -101,23 +101,18 @@ class FixedLength(torch.nn.Module):
         return logits
 
 
-def run_mtrain(model: FixedLength, src: torch.Tensor, steps: int, beam: int) -> None:
-    model.steps = steps
+def run_mtrain(models: list[FixedLength], src: torch.Tensor, steps: int, beam: int) -> None:
+    """Greedy (beam 1) or beam search; several models decode as one Ensemble, each suppressing EOS itself."""
+    for model in models:
+        model.steps = steps
+    decoder = models[0] if len(models) == 1 else Ensemble(models)
     max_len = torch.full((src.size(0),), steps - 1)
     if beam == 1:
-        out = greedy_search(model, src, max_len)
+        out = greedy_search(decoder, src, max_len)
         assert all(len(ids) == steps - 1 for ids in out)
     else:
-        out = beam_search(model, src, beam, 0.6, max_len)
+        out = beam_search(decoder, src, beam, 0.6, max_len)
         assert all(len(hyps[0][0]) == steps - 1 for hyps in out)
-
-
-def run_ensemble(members: list[FixedLength], src: torch.Tensor, steps: int, beam: int) -> None:
-    """Beam search with the members decoding as one model; each member suppresses EOS itself."""
-    for member in members:
-        member.steps = steps
-    out = beam_search(Ensemble(members), src, beam, 0.6, torch.full((src.size(0),), steps - 1))
-    assert all(len(hyps[0][0]) == steps - 1 for hyps in out)
 
 
 def marian_config(vocab: int):
@@ -220,9 +215,9 @@ def main() -> None:
     emit = lambda line: print(line, file=table, flush=True)  # noqa: E731
     emit(f"{n} sentences, {len(batches)} batches, {threads} threads, torch {torch.__version__}")
     systems = {
-        "mtrain_greedy": lambda src, steps: run_mtrain(model, src, steps, 1),
-        "mtrain_beam5": lambda src, steps: run_mtrain(model, src, steps, BEAM),
-        "mtrain_ensemble2_beam5": lambda src, steps: run_ensemble(members, src, steps, BEAM),
+        "mtrain_greedy": lambda src, steps: run_mtrain([model], src, steps, 1),
+        "mtrain_beam5": lambda src, steps: run_mtrain([model], src, steps, BEAM),
+        "mtrain_ensemble2_beam5": lambda src, steps: run_mtrain(members, src, steps, BEAM),
     }
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_hf and importlib.util.find_spec("transformers"):
