@@ -28,12 +28,12 @@ unset MULTI30K_TEXT RUN ENSEMBLE_WITH
 RUN=$RUN_A scripts/recipe-multi30k.sh en-de "$@"
 [ -n "${VIRTUAL_ENV:-}" ] || . .venv/bin/activate  # made by the first recipe run
 USED_A=$(python scripts/recipe_report.py --run "$RUN_A" --elapsed)
-LEFT_B=$(python -c "print(float('$TOTAL_HOURS') * 3600 - $USED_A)")
-if python -c "import sys; sys.exit(0 if $LEFT_B >= 300 else 1)"; then :; else
+LEFT_B=$(awk -v h="$TOTAL_HOURS" -v used="$USED_A" 'BEGIN { printf "%d", h * 3600 - used }')  # seconds
+if [ "$LEFT_B" -lt 300 ]; then
     echo "model A trained ${USED_A} s, leaving under 5 minutes of TOTAL_HOURS=$TOTAL_HOURS for model B; raise TOTAL_HOURS" >&2
     exit 2
 fi
-HOURS_B=$(python -c "print(round($LEFT_B / 3600, 4))")
+HOURS_B=$(awk -v s="$LEFT_B" 'BEGIN { printf "%.4f", s / 3600 }')
 echo "model A trained ${USED_A} s; model B gets the rest of the ${TOTAL_HOURS} h: ${HOURS_B} h" >&2
 # B's own settings come last, so they win over the caller's (the same seed twice would train A again).
 RUN=$RUN_B TRAIN_HOURS=$HOURS_B ENSEMBLE_WITH=$RUN_A scripts/recipe-multi30k.sh en-de "$@" "${B_ARGS[@]}"

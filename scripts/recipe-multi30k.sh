@@ -37,7 +37,8 @@ CONFIG=configs/multi30k-$DIR.yaml
 TOK=${TOK:-data/multi30k-tok-$DIR$VARIANT}
 RUN=${RUN:-runs/multi30k-$DIR$VARIANT}
 ENSEMBLE_WITH=${ENSEMBLE_WITH:-}
-if [ -n "$ENSEMBLE_WITH" ] && [ ! -f "$ENSEMBLE_WITH/averaged.pt" ]; then  # fail now, not after training
+OTHER_CKPT=${ENSEMBLE_WITH:+$ENSEMBLE_WITH/averaged.pt}  # the ensemble's second member, when ENSEMBLE_WITH is set
+if [ -n "$OTHER_CKPT" ] && [ ! -f "$OTHER_CKPT" ]; then  # fail now, not after training
     echo "ENSEMBLE_WITH=$ENSEMBLE_WITH: no averaged.pt there; finish that run first (RUN=$ENSEMBLE_WITH $0 $DIR)" >&2; exit 2
 fi
 # A fresh run needs a training budget: `timeout 0` would mean no limit at all, and a negative one is an error.
@@ -105,8 +106,8 @@ fi
 # unless LENPEN=x is given (e.g. a text or setting whose own valid sweep chose another one).
 LENPEN=${LENPEN:-$(python -c "from mtrain.config import load_config; print(load_config('$CONFIG').decode.lenpen)")}
 CKPT_ARGS=(--checkpoint "$CKPT")
-[ -n "$ENSEMBLE_WITH" ] && CKPT_ARGS+=(--checkpoint "$ENSEMBLE_WITH/averaged.pt")
-echo "scoring $CKPT${ENSEMBLE_WITH:+ with $ENSEMBLE_WITH/averaged.pt (ensemble)} on test2016 (beam 5, lenpen $LENPEN)" >&2
+[ -n "$OTHER_CKPT" ] && CKPT_ARGS+=(--checkpoint "$OTHER_CKPT")
+echo "scoring $CKPT${OTHER_CKPT:+ with $OTHER_CKPT (ensemble)} on test2016 (beam 5, lenpen $LENPEN)" >&2
 # Trained on lowercased tokenized text, the output has that form too: score it as it is.
 score_args=(); [ "$MULTI30K_TEXT" = lc-tok ] && score_args=(--lowercase --tokenize none)
 mtrain eval "${CKPT_ARGS[@]}" --src "$TEST_SRC" --ref "$TEST_REF" --beam 5 --lenpen "$LENPEN" \
@@ -119,6 +120,6 @@ else
     echo "note: no tok/test2016.lc.norm.tok.$TGT (data/multi30k/tok or $MULTI30K_SHARED/tok); skipping tokenized BLEU" >&2
 fi
 python scripts/recipe_report.py --run "$RUN" --sacrebleu "$RUN/test2016.sacrebleu.json" "${tok_args[@]}" \
-    --meta direction=$DIR --meta config=$CONFIG --meta checkpoint="$CKPT${ENSEMBLE_WITH:+ + $ENSEMBLE_WITH/averaged.pt}" --meta decode="beam 5, lenpen $LENPEN" \
+    --meta direction=$DIR --meta config=$CONFIG --meta checkpoint="$CKPT${OTHER_CKPT:+ + $OTHER_CKPT}" --meta decode="beam 5, lenpen $LENPEN" \
     --meta text=$MULTI30K_TEXT --meta tok_ref="${TOKREF:-none}" --meta eval_lines="${EVAL_LINES:-all}" --meta train_hours_cap="${TRAIN_HOURS:-2.75}"
 cat "$RUN/results.json"
