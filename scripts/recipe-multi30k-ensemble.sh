@@ -9,7 +9,7 @@
 # RUN_A and RUN_B name the run folders (default runs/multi30k-en-de-lctok and runs/multi30k-en-de-lctok-seed2).
 # Re-running resumes whichever model is unfinished; finished ones are only re-scored.
 # Results: RUN_A/results.json (A alone) and RUN_B/results.json (A + B; the checkpoint field names both).
-# Why this shape (B shorter than A, seed 2) and what it scored: docs/recipe.md, sessions 16 and 17.
+# Why this shape (B shorter than A, seed 2) and what it scored: docs/recipe.md#ensembles.
 # TRAIN_HOURS, when set, caps A alone (as in recipe-multi30k.sh). DRY_RUN=1 prints the two recipe commands and exits.
 set -euo pipefail
 cd "$(dirname "$0")/.."

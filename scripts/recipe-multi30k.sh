@@ -16,7 +16,7 @@
 # Defaults, each chosen on the valid split (docs/recipe.md): de-en raw, en-de lc-tok.
 # LENPEN=x scores with length penalty x instead of the config's decode.lenpen.
 # ENSEMBLE_WITH=OTHER_RUN scores this run's averaged.pt together with OTHER_RUN/averaged.pt, as an ensemble
-# (e.g. a second seed of the same config on the same tokenized data; docs/recipe.md, session 16).
+# (e.g. a second seed of the same config on the same tokenized data; docs/recipe.md#ensembles).
 # DRY_RUN=1 prints the resolved direction, text, config and folders and exits.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -20,8 +20,8 @@ from mtrain.plot import read_metrics  # the one reader of metrics.jsonl (skips a
 # The peer this curve is compared with (issue 7): JoeyNMT 2.3, same shape and data, 2 CPU cores,
 # greedy cased sacreBLEU on test2016 after 68 minutes of training.
 PEER = {"name": "JoeyNMT 2.3 (test2016, greedy)", "direction": "de-en", "minutes": 68.0, "bleu": 32.5}
-# The published from-scratch test2016 scores to beat (issue 7), lowercased tokenized BLEU: drawn
-# only on curves of that metric (a cased curve is not comparable with them).
+# The anchors: published from-scratch test2016 scores in lowercased tokenized BLEU that the recipe is
+# compared with, one per direction. Drawn only on curves of that metric (a cased curve is not comparable).
 ANCHORS = {"de-en": (36.52, "PyTorch tutorial, 3+3 d256"), "en-de": (41.02, "fairseq transformer_tiny, Wu et al. 2021")}
 # The two BLEUs a curve can be in (its y-axis name; the anchors are in the second).
 CASED_BLEU, LC_TOK_BLEU = "cased sacreBLEU", "lowercased tokenized BLEU"

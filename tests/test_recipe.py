@@ -78,7 +78,7 @@ def test_recipes_differ_only_in_direction_vocabulary_length_and_lenpen():
 
 @pytest.fixture(scope="module")
 def tokenized_en_de(multi30k_slice, tmp_path_factory):
-    from mtrain.data import tokenize_corpus
+    from mtrain.prepare import tokenize_corpus
 
     out = tmp_path_factory.mktemp("multi30k-tok-en-de")
     cfg = load_config(recipe("en-de"), ["tokenizer.vocab_size=1000"])
@@ -209,7 +209,7 @@ def test_recipe_ensemble_with_needs_a_finished_run(tmp_path):
 
 
 def test_ensemble_recipe_trains_b_after_a_and_keeps_b_distinct():
-    # One command for session 16's ensemble: A, then B with ENSEMBLE_WITH=A, inside one total budget. The
+    # One command for the two-model ensemble: A, then B with ENSEMBLE_WITH=A, inside one total budget. The
     # caller's options reach both runs, but B's seed comes last so it wins (the same seed twice would be A again).
     env = {k: v for k, v in os.environ.items() if k not in ("RUN_A", "RUN_B", "TOTAL_HOURS", "TRAIN_HOURS")} | {"DRY_RUN": "1"}
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "recipe-multi30k-ensemble.sh"), "--set", "train.seed=7"],
