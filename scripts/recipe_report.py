@@ -17,7 +17,7 @@ from typing import Any
 
 from mtrain.plot import read_metrics  # the one reader of metrics.jsonl (skips a torn last line)
 
-# The peer this curve is compared with (issue 7): JoeyNMT 2.3, same shape and data, 2 CPU cores,
+# The peer this curve is compared with: JoeyNMT 2.3, same shape and data, 2 CPU cores,
 # greedy cased sacreBLEU on test2016 after 68 minutes of training.
 PEER = {"name": "JoeyNMT 2.3 (test2016, greedy)", "direction": "de-en", "minutes": 68.0, "bleu": 32.5}
 # The anchors: published from-scratch test2016 scores in lowercased tokenized BLEU that the recipe is
