@@ -35,7 +35,7 @@ from mtrain.ensemble import Ensemble  # noqa: E402
 from mtrain.model import Transformer  # noqa: E402
 from mtrain.search import beam_search, greedy_search  # noqa: E402
 from mtrain.tokenizer import EOS_ID, PAD_ID, Tokenizer  # noqa: E402
-from mtrain.translate import make_batches  # noqa: E402
+from mtrain.translate import decode_batches  # noqa: E402
 
 SHAPE = ModelConfig(d_model=256, d_ff=1024, n_heads=4, n_encoder_layers=3, n_decoder_layers=3,
                     vocab_size=8000, dropout=0.0)
@@ -68,7 +68,7 @@ def load_tokenizer(corpus: Path) -> Tokenizer:
 def batches_of(ids: list[list[int]]) -> list[tuple[torch.Tensor, int]]:
     """(padded src ending in EOS, target length L) per length-sorted batch."""
     out = []
-    for batch in make_batches([len(seq) for seq in ids], MAX_TOKENS):
+    for batch in decode_batches([len(seq) for seq in ids], MAX_TOKENS):
         rows = [ids[i] for i in batch]
         src = torch.full((len(rows), max(map(len, rows)) + 1), PAD_ID, dtype=torch.long)
         for r, seq in enumerate(rows):
@@ -203,7 +203,7 @@ def main() -> None:
     corpus = corpus_dir()
     tokenizer = load_tokenizer(corpus)
     lines = (corpus / "test2016.de").read_text(encoding="utf-8").splitlines()[:n]
-    ids = tokenizer.encode_src(lines)
+    ids = tokenizer.src.encode(lines)
     batches = batches_of(ids)
     warmup = batches_of(ids[:8])
     torch.manual_seed(0)

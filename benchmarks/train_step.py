@@ -33,8 +33,8 @@ from torch import Tensor, nn
 from mtrain.config import ModelConfig
 from mtrain.data import make_batches
 from mtrain.hardware import cpu_has_native_bf16
+from mtrain.loss import Objective
 from mtrain.model import Transformer, sinusoids
-from mtrain.train import Objective
 
 ROOT = Path(__file__).resolve().parents[1]
 PAD, BOS, EOS = 0, 2, 3

@@ -1,4 +1,5 @@
-"""The only code that knows the checkpoint format: atomic writes, safe loads, averaging.
+"""The only code that knows the checkpoint format: atomic writes, safe loads, averaging, and
+rebuilding models (one, or an ensemble of several) from checkpoints for decoding.
 
 A checkpoint is a plain dict that `torch.load(..., weights_only=True)` can read, so loading a
 file never runs code:
@@ -14,9 +15,7 @@ file never runs code:
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 import warnings
 import zipfile
 import zlib
@@ -25,42 +24,22 @@ from typing import Any, Iterable
 
 import torch
 
+from mtrain.atomic import atomic_write
+from mtrain.config import config_from_dict
+from mtrain.ensemble import Ensemble
 from mtrain.errors import MtrainError
+from mtrain.model import Transformer
+from mtrain.tokenizer import Tokenizer
 
 FORMAT = "mtrain"
 VERSION = 1
 
 
 def save_atomic(obj: dict[str, Any], path: str | Path) -> None:
-    """Write to a temp file in the same folder, fsync, then rename: a reader (or a crash) never
-    sees a half-written checkpoint, and the previous file stays intact if the write fails."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(obj, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(folder: Path) -> None:
-    # Make the rename itself durable; not every platform/filesystem allows opening a directory.
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    """torch.save through the atomic writer, fsynced: a reader (or a crash) never sees a
+    half-written checkpoint, and the previous file stays intact if the write fails."""
+    with atomic_write(path, binary=True, durable=True) as handle:
+        torch.save(obj, handle)
 
 
 def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
@@ -172,12 +151,8 @@ def average_checkpoints(paths: Iterable[str | Path], out: str | Path) -> dict[st
     return result
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu"):
+def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Transformer, Tokenizer, dict[str, Any]]:
     """Rebuild the model and tokenizer from a checkpoint alone: (model in eval mode, tokenizer, ckpt)."""
-    from mtrain.config import config_from_dict
-    from mtrain.model import Transformer
-    from mtrain.tokenizer import Tokenizer
-
     ckpt = load(path)
     config = config_from_dict(ckpt["config"], where=str(path))
     model = Transformer(config.model)
@@ -194,3 +169,30 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
         raise MtrainError(f"{path}: its tokenizer cannot be loaded ({first[:200]}); the file is damaged, "
                           "use another checkpoint of the run") from None
     return model, tokenizer, ckpt
+
+
+def load_models(paths: str | Path | list[str | Path], device: str | torch.device = "cpu"):
+    """(model, tokenizer, first checkpoint) for one checkpoint, or an Ensemble of several that were
+    trained on the same tokenized data (same SentencePiece model, same languages)."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    if not paths:
+        raise MtrainError("no checkpoint given; pass --checkpoint FILE (repeat it for an ensemble)")
+    loaded = [load_model(path, device) for path in paths]
+    if len(loaded) == 1:
+        return loaded[0]
+    first_path, (_, tokenizer, first) = paths[0], loaded[0]
+    for path, (_, _, ckpt) in zip(paths[1:], loaded[1:]):
+        if ckpt["tokenizer"] != first["tokenizer"]:
+            raise MtrainError(f"{path}: its vocabulary differs from {first_path}'s; an ensemble needs checkpoints "
+                              "trained on the same `mtrain tokenize` output")
+        pair, first_pair = _languages(ckpt), _languages(first)
+        if pair != first_pair:
+            raise MtrainError(f"{path}: translates {pair[0]}->{pair[1]}, but {first_path} translates "
+                              f"{first_pair[0]}->{first_pair[1]}; ensemble checkpoints of one direction")
+    return Ensemble([model for model, _, _ in loaded]), tokenizer, first
+
+
+def _languages(ckpt: dict) -> tuple[str, str]:
+    data = ckpt["config"].get("data", {})
+    return data.get("src", "?"), data.get("tgt", "?")

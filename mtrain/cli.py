@@ -8,6 +8,8 @@ line on stderr with exit code 1.
 from __future__ import annotations
 
 import functools
+import json
+import os
 import sys
 from pathlib import Path
 from typing import Callable, List, Optional
@@ -100,7 +102,7 @@ def tokenize(
     )
     if print_config:
         print_config_and_exit(cfg)
-    from mtrain.data import tokenize_corpus
+    from mtrain.prepare import tokenize_corpus
 
     tokenize_corpus(cfg, data_dir=data, out_dir=out, splits=splits.split(","), hf_dataset=hf_dataset)
 
@@ -125,9 +127,6 @@ def train(
         raise MtrainError("train: --data is missing; pass the folder written by `mtrain tokenize` (e.g. --data data/multi30k-tok)")
     if out is None and not dry_run:
         raise MtrainError("train: --out is missing; pass a run folder (e.g. --out runs/quickstart)")
-    import json
-    import os
-
     from mtrain.train import train as run_training
 
     summary = run_training(cfg, data_dir=data, run_dir=out, device=device, dry_run=dry_run)
@@ -194,21 +193,49 @@ def evaluate(
     if hyp is not None and (beam is not None or lenpen is not None or overrides):
         raise MtrainError("--beam, --lenpen and --set decode options apply only with --checkpoint; drop them when scoring --hyp")
     cfg = resolve_config(None, overrides, {"decode.beam": beam, "decode.lenpen": lenpen})
-    from mtrain.evaluate import run_eval
+    check_eval_options(hyp, checkpoint, src, output_hyp, worst)
+    from mtrain.evaluate import check_metric_options, evaluate, read_stripped_lines
 
-    run_eval(
-        hyp=hyp,
-        refs=list(ref),
-        checkpoint=list(checkpoint) if checkpoint else None,
-        src=src,
-        output_hyp=output_hyp,
-        decode=cfg.decode,
-        lowercase=lowercase,
-        tokenize=tokenize,
-        worst=worst,
-        as_json=json_out,
-        device=device,
-    )
+    ref_lines = [read_stripped_lines(path) for path in ref]
+    ref_names = [str(path) for path in ref]
+    check_metric_options(lowercase, tokenize)  # an unknown --tokenize fails now, not after translating
+    if hyp is not None:
+        hyps, hyp_name = read_stripped_lines(hyp), str(hyp)
+    else:
+        hyps, hyp_name = translate_for_eval(checkpoint, src, output_hyp, cfg.decode, device, ref_lines, ref_names)
+    result = evaluate(hyps, ref_lines, hyp_name, ref_names, lowercase, tokenize, worst)
+    typer.echo(json.dumps(result.as_dict(), ensure_ascii=False) if json_out else result.report())
+
+
+def check_eval_options(hyp: Optional[Path], checkpoint: Optional[List[Path]], src: Optional[Path],
+                       output_hyp: Optional[Path], worst: int) -> None:
+    if (hyp is None) == (not checkpoint):
+        raise MtrainError("pass exactly one of --hyp FILE (score it) or --checkpoint FILE --src FILE (translate, then score)")
+    if checkpoint and src is None:
+        raise MtrainError("--checkpoint needs --src: the source file to translate")
+    if hyp is not None and (src is not None or output_hyp is not None):
+        raise MtrainError("--src and --output-hyp apply only with --checkpoint; drop them or use --checkpoint")
+    if worst < 0:
+        raise MtrainError(f"--worst {worst}: must be 0 or a positive number of lines")
+
+
+def translate_for_eval(checkpoint: List[Path], src: Path, output_hyp: Optional[Path], decode, device: str,
+                       ref_lines: list, ref_names: list) -> tuple[list, str]:
+    """`eval --checkpoint`: translate --src (line counts checked first, so a mismatch fails before a
+    long translation); the translations go to --output-hyp before scoring, whatever happens next."""
+    import dataclasses
+
+    from mtrain.atomic import atomic_write
+    from mtrain.evaluate import check_line_counts, read_stripped_lines
+    from mtrain.translate import translate_checkpoints
+
+    src_lines = read_stripped_lines(src)
+    check_line_counts(src_lines, ref_lines, str(src), ref_names)
+    hyps = translate_checkpoints(list(checkpoint), src_lines, dataclasses.replace(decode, nbest=1), device)
+    if output_hyp is not None:
+        with atomic_write(output_hyp) as handle:
+            handle.writelines(line + "\n" for line in hyps)
+    return hyps, f"translations of {src}"
 
 
 @app.command()

@@ -2,8 +2,8 @@
 
 At each step the ensemble's next-token distribution is the mean of its models' distributions,
 p(y | x, prefix) = (1/M) sum_m p_m(y | x, prefix), the usual NMT ensemble (fairseq and Marian
-average probabilities too). `Ensemble` has the interface the searches use (encode, new_cache,
-decode), so greedy and beam search run unchanged; decode returns log-probabilities, which they
+average probabilities too). `Ensemble` is a `mtrain.search.Decoder` (encode, new_cache,
+decode, cfg), so greedy and beam search run unchanged; decode returns log-probabilities, which they
 treat as logits (a log_softmax of log-probabilities changes nothing). Each model keeps its own
 encoder output and KV cache; the ensemble indexes and reorders them together.
 """
@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 from typing import Iterable
 
 import torch
 from torch import Tensor
 
-from mtrain.errors import MtrainError
+from mtrain.cache import KVCache
 
 
 class Memories:
@@ -35,7 +34,7 @@ class Memories:
 class EnsembleCache:
     """One KV cache per model, expanded to beams and reordered in step."""
 
-    def __init__(self, caches: list) -> None:
+    def __init__(self, caches: list[KVCache]) -> None:
         self.caches = caches
 
     def expand_beams(self, group: int) -> EnsembleCache:
@@ -76,32 +75,3 @@ class Ensemble:
             # beam-5 CPU profile (1.9 s with the stacking, against 0.13 s).
             mixture = log_probs if mixture is None else torch.logaddexp(mixture, log_probs, out=mixture)
         return mixture.sub_(math.log(len(self.models)))
-
-
-def load_models(paths: str | Path | list[str | Path], device: str | torch.device = "cpu"):
-    """(model, tokenizer, first checkpoint) for one checkpoint, or an Ensemble of several that were
-    trained on the same tokenized data (same SentencePiece model, same languages)."""
-    from mtrain.checkpoint import load_model
-
-    if isinstance(paths, (str, Path)):
-        paths = [paths]
-    if not paths:
-        raise MtrainError("no checkpoint given; pass --checkpoint FILE (repeat it for an ensemble)")
-    loaded = [load_model(path, device) for path in paths]
-    if len(loaded) == 1:
-        return loaded[0]
-    first_path, (_, tokenizer, first) = paths[0], loaded[0]
-    for path, (_, _, ckpt) in zip(paths[1:], loaded[1:]):
-        if ckpt["tokenizer"] != first["tokenizer"]:
-            raise MtrainError(f"{path}: its vocabulary differs from {first_path}'s; an ensemble needs checkpoints "
-                              "trained on the same `mtrain tokenize` output")
-        pair, first_pair = _languages(ckpt), _languages(first)
-        if pair != first_pair:
-            raise MtrainError(f"{path}: translates {pair[0]}->{pair[1]}, but {first_path} translates "
-                              f"{first_pair[0]}->{first_pair[1]}; ensemble checkpoints of one direction")
-    return Ensemble([model for model, _, _ in loaded]), tokenizer, first
-
-
-def _languages(ckpt: dict) -> tuple[str, str]:
-    data = ckpt["config"].get("data", {})
-    return data.get("src", "?"), data.get("tgt", "?")

@@ -1,17 +1,17 @@
-"""Score translations with sacreBLEU (BLEU, chrF, TER, each with its signature): one `score`
-function serves `mtrain eval` and validation during training, so the two never disagree.
-No torch at import time; sacrebleu itself is imported on first use."""
+"""Score translations with sacreBLEU (BLEU, chrF, TER, each with its signature): `evaluate` serves
+`mtrain eval` and `score` validation during training, on the same metric objects, so the two
+never disagree. Text only: no torch, no model (`mtrain eval --checkpoint` translates first, in
+the CLI, then scores here); sacrebleu itself is imported on first use."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from mtrain.atomic import atomic_text
+from mtrain.corpus import read_lines
 from mtrain.errors import MtrainError
 
 # Leftovers of a missing detokenization: the SentencePiece word marker, its rendering of <unk>
@@ -19,12 +19,10 @@ from mtrain.errors import MtrainError
 MARKERS = re.compile(r"▁|⁇|<unk>|<s>|</s>|<pad>")
 
 
-def read_lines(path: str | Path) -> list[str]:
+def read_stripped_lines(path: str | Path) -> list[str]:
     """Read a UTF-8 text file as lines, with trailing whitespace removed exactly as sacrebleu's
     CLI does (so file-based scores match it). Invalid UTF-8 names the file and line."""
-    from mtrain.data import read_lines as read_text_lines  # BOM, CRLF, UTF-8 errors with line numbers
-
-    return [line.rstrip() for line in read_text_lines(path)]
+    return [line.rstrip() for line in read_lines(path)]
 
 
 def check_line_counts(hyps: Sequence[str], refs: Sequence[Sequence[str]], hyp_name: str = "hypotheses",
@@ -127,80 +125,48 @@ def worst_sentences(hyps: Sequence[str], refs: Sequence[Sequence[str]], n: int, 
     return rows[:n]
 
 
-def write_lines_atomic(lines: Sequence[str], path: str | Path) -> None:
-    """Write lines to a temp file next to `path`, then rename: no half-written output on a crash."""
-    with atomic_text(path) as handle:
-        handle.writelines(line + "\n" for line in lines)
+@dataclass
+class Evaluation:
+    """What `evaluate` found: sacrebleu's results with their signatures, and the worst lines."""
+
+    results: list[tuple[str, Any, str]]  # (key, sacrebleu Score, signature) for bleu, chrf, ter
+    n_lines: int
+    n_refs: int
+    worst: list[dict[str, Any]]
+
+    def as_dict(self) -> dict[str, Any]:
+        """score()'s dict, plus "worst" when worst lines were asked for (the --json output)."""
+        summary = _as_dict(self.results, self.n_lines)
+        if self.worst:
+            summary["worst"] = self.worst
+        return summary
+
+    def report(self) -> str:
+        """sacrebleu's own one-line format per metric (signature, score, BLEU details), then the worst lines."""
+        out = [result.format(width=2, signature=signature) for _, result, signature in self.results]
+        out.append(f"({self.n_lines} lines, {self.n_refs} reference{'s' if self.n_refs > 1 else ''})")
+        if self.worst:
+            out.append(f"\n{len(self.worst)} lowest sentence-BLEU:")
+            for row in self.worst:
+                out.append(f"line {row['line']}  sentence-BLEU {row['bleu']:.2f}")
+                out.append(f"  hyp: {row['hyp']}")
+                for k, ref in enumerate(row["refs"]):
+                    out.append(f"  ref{'' if len(row['refs']) == 1 else k + 1}: {ref}")
+        return "\n".join(out)
 
 
-def _translate(checkpoints: Path | list[Path], lines: list[str], decode, device: str) -> list[str]:
-    from mtrain.ensemble import load_models
-    from mtrain.translate import check_decode, resolve_device, translate_lines
-
-    check_decode(decode)
-    resolved = resolve_device(device)
-    model, tokenizer, ckpt = load_models(checkpoints, resolved)
-    return translate_lines(model, tokenizer, lines, decode, resolved, stats=ckpt.get("stats") or None, progress=True)
+def check_metric_options(lowercase: bool, tokenize: str | None) -> None:
+    """Fail on an unknown or unusable --tokenize now, before any translation runs."""
+    _metrics(lowercase, tokenize)
 
 
-def format_report(results, n_lines: int, n_refs: int, worst: list[dict[str, Any]]) -> str:
-    """sacrebleu's own one-line format per metric (signature, score, BLEU details), then the worst lines."""
-    out = [result.format(width=2, signature=signature) for _, result, signature in results]
-    out.append(f"({n_lines} lines, {n_refs} reference{'s' if n_refs > 1 else ''})")
-    if worst:
-        out.append(f"\n{len(worst)} lowest sentence-BLEU:")
-        for row in worst:
-            out.append(f"line {row['line']}  sentence-BLEU {row['bleu']:.2f}")
-            out.append(f"  hyp: {row['hyp']}")
-            for k, ref in enumerate(row["refs"]):
-                out.append(f"  ref{'' if len(row['refs']) == 1 else k + 1}: {ref}")
-    return "\n".join(out)
-
-
-def _check_options(hyp, checkpoint, src, output_hyp, worst: int) -> None:
-    if (hyp is None) == (checkpoint is None):
-        raise MtrainError("pass exactly one of --hyp FILE (score it) or --checkpoint FILE --src FILE (translate, then score)")
-    if checkpoint is not None and src is None:
-        raise MtrainError("--checkpoint needs --src: the source file to translate")
-    if hyp is not None and (src is not None or output_hyp is not None):
-        raise MtrainError("--src and --output-hyp apply only with --checkpoint; drop them or use --checkpoint")
-    if worst < 0:
-        raise MtrainError(f"--worst {worst}: must be 0 or a positive number of lines")
-
-
-def _hypotheses(hyp, checkpoint, src, output_hyp, decode, device, ref_lines, ref_names) -> tuple[list[str], str]:
-    """(hypothesis lines, name for messages): read --hyp, or translate --src with the checkpoint."""
-    if hyp is not None:
-        return read_lines(hyp), str(hyp)
-    src_lines = read_lines(src)
-    check_line_counts(src_lines, ref_lines, str(src), ref_names)  # fail before a long translation
-    hyps = _translate(checkpoint, src_lines, dataclasses.replace(decode, nbest=1), device)
-    if output_hyp is not None:
-        write_lines_atomic(hyps, output_hyp)  # before scoring: keep the translations whatever happens
-    return hyps, f"translations of {src}"
-
-
-def run_eval(hyp: Path | None, refs: list[Path], checkpoint: Path | list[Path] | None, src: Path | None,
-             output_hyp: Path | None, decode, lowercase: bool = False, tokenize: str | None = None,
-             worst: int = 0, as_json: bool = False, device: str = "auto") -> dict[str, Any]:
-    """`mtrain eval`: score a hypothesis file, or translate --src with a checkpoint (several: an
-    ensemble) and score that.
-
-    Prints the metrics with signatures (or one JSON object with --json) on stdout; returns the dict."""
-    _check_options(hyp, checkpoint, src, output_hyp, worst)
-    ref_lines = [read_lines(path) for path in refs]
-    ref_names = [str(path) for path in refs]
-    _metrics(lowercase, tokenize)  # an unknown --tokenize fails now, not after translating
-    hyps, hyp_name = _hypotheses(hyp, checkpoint, src, output_hyp, decode, device, ref_lines, ref_names)
-    check_line_counts(hyps, ref_lines, hyp_name, ref_names)
+def evaluate(hyps: Sequence[str], refs: Sequence[Sequence[str]], hyp_name: str = "hypotheses",
+             ref_names: Sequence[str] | None = None, lowercase: bool = False, tokenize: str | None = None,
+             worst: int = 0) -> Evaluation:
+    """`mtrain eval`'s scoring: line counts checked (names in the messages), a warning for
+    undetokenized text, corpus BLEU/chrF/TER, and the `worst` lines by sentence-BLEU."""
+    check_line_counts(hyps, refs, hyp_name, ref_names)
     warn_markers(hyps, hyp_name)
-    results = _corpus_scores(hyps, ref_lines, lowercase, tokenize)
-    summary = _as_dict(results, len(hyps))
-    rows = worst_sentences(hyps, ref_lines, worst, lowercase, tokenize) if worst else []
-    if rows:
-        summary["worst"] = rows
-    if as_json:
-        print(json.dumps(summary, ensure_ascii=False))
-    else:
-        print(format_report(results, len(hyps), len(ref_lines), rows))
-    return summary
+    results = _corpus_scores(hyps, refs, lowercase, tokenize)
+    rows = worst_sentences(hyps, refs, worst, lowercase, tokenize) if worst else []
+    return Evaluation(results, len(hyps), len(refs), rows)

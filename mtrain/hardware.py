@@ -1,5 +1,5 @@
-"""What machine this is, for choices that depend on it (bf16 autocast) and for the records that
-benchmarks and the recipe report keep next to their numbers."""
+"""Device and precision choices (`--device auto`, train.amp), and what machine this is, for the
+records that benchmarks and the recipe report keep next to their numbers."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import os
 import platform
 
 import torch
+
+from mtrain.errors import MtrainError
 
 
 def cpu_has_native_bf16() -> bool:
@@ -47,3 +49,45 @@ def machine_record() -> dict[str, object]:
     return {"machine": platform.machine(), "processor": platform.processor() or None, "cpu_count": os.cpu_count(),
             "python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, **cpu_summary()}
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto` is cuda when available, else cpu; unusable names fail in one line."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise MtrainError(f"--device {device}: not a device name; use auto, cpu, cuda or cuda:N") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise MtrainError(f"--device {device}: CUDA is not available here; use --device cpu (or auto)")
+    return resolved
+
+
+def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
+    """train.amp -> autocast dtype: auto = bf16 on GPUs that support it, fp16 on older GPUs, off on CPU.
+    bf16 on a CPU without native bfloat16 falls back to float32 (see amp_note): it would be ~30x slower."""
+    if amp == "off":
+        return None
+    if amp == "auto":
+        if device.type != "cuda":
+            return None
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if amp == "bf16":
+        if device.type == "cpu" and not cpu_has_native_bf16():
+            return None
+        return torch.bfloat16
+    if amp == "fp16":
+        if device.type != "cuda":
+            raise MtrainError("train.amp=fp16 needs a CUDA device; use train.amp=bf16 or off on CPU")
+        return torch.float16
+    raise MtrainError(f"train.amp={amp!r}: unknown value; use auto, bf16, fp16 or off")
+
+
+def amp_note(amp: str, dtype: torch.dtype | None, device: torch.device) -> str:
+    """One line for the log: the precision training runs in, and why when it is not what was asked."""
+    name = {None: "float32", torch.bfloat16: "bfloat16 autocast", torch.float16: "float16 autocast"}[dtype]
+    if amp == "bf16" and dtype is None:
+        return (f"precision: {name} (train.amp=bf16 asked, but this CPU has no native bfloat16: "
+                f"emulated, bf16 would run ~30x slower)")
+    return f"precision: {name} (train.amp={amp}, {device.type})"

@@ -1,6 +1,7 @@
 """Label-smoothed cross-entropy (Szegedy et al. 2016), the paper's training loss, plus the
-plain NLL for logging, and the symmetric KL divergence of R-Drop. Only real target positions are
-passed in, so no pad masking here.
+plain NLL for logging, the symmetric KL divergence of R-Drop, and the training objective built
+from them (`Objective`, and `forward_backward` for gradient accumulation). The two losses get
+only real target positions, so no pad masking there.
 
 Convention: the smoothed target puts 1 - eps on the reference token and spreads eps uniformly
 over ALL V classes (the reference and pad included), i.e. q = (1 - eps) * onehot + eps / V.
@@ -12,8 +13,11 @@ With lse = log sum_k exp(x_k), -log p[k] = lse - x_k, so per position
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 
 def _float32_or_wider(logits: Tensor) -> Tensor:
@@ -106,3 +110,57 @@ class _SymmetricKL(torch.autograd.Function):
         grad_a = torch.sub(d, (p * d).sum(-1, keepdim=True)).add_(1.0).mul_(p).sub_(q).mul_(half)
         grad_b = torch.sub((q * d).sum(-1, keepdim=True), d).add_(1.0).mul_(q).sub_(p).mul_(half)
         return grad_a.to(ctx.dtypes[0]), grad_b.to(ctx.dtypes[1])
+
+
+class Objective(nn.Module):
+    """Teacher-forced label-smoothed loss as one module, so DDP (which hooks forward) and
+    torch.compile see the whole computation. The vocabulary projection runs only at real target
+    positions: pads are ~30% of a bucketed batch and the projection is the largest matmul."""
+
+    def __init__(self, model: nn.Module, label_smoothing: float, rdrop_alpha: float = 0.0) -> None:
+        super().__init__()
+        self.model, self.eps, self.rdrop_alpha = model, label_smoothing, rdrop_alpha
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.rdrop_alpha > 0 and self.training:
+            return self._rdrop(src, tgt_in, tgt_out)
+        logits, target = self._logits(src, tgt_in, tgt_out)
+        return label_smoothed_loss(logits, target, self.eps)
+
+    def _logits(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        memory = self.model.encode(src)  # (B, S, d_model)
+        states = self.model.decode_states(tgt_in, memory, src)  # (B, T, d_model)
+        real = tgt_out != self.model.cfg.pad_id  # (B, T)
+        return self.model.project(states[real]), tgt_out[real]  # (N, V), N = real target tokens
+
+    def _rdrop(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """R-Drop: the batch twice in one forward (stacked, so the two copies get independent
+        dropout masks), loss = mean of the two copies' label-smoothed losses + alpha * symmetric KL,
+        per real token. That is the paper's loss (sum of both NLLs + alpha * KL) halved, so the
+        logged loss and NLL stay comparable with a run without R-Drop."""
+        logits, target = self._logits(torch.cat([src, src]), torch.cat([tgt_in, tgt_in]), torch.cat([tgt_out, tgt_out]))
+        n = target.size(0) // 2  # boolean indexing is row-major: copy 1's positions, then copy 2's in the same order
+        loss_sum, nll_sum = label_smoothed_loss(logits, target, self.eps)
+        kl_sum = symmetric_kl(logits[:n], logits[n:])
+        return 0.5 * loss_sum + 0.5 * self.rdrop_alpha * kl_sum, 0.5 * nll_sum
+
+
+def forward_backward(objective: nn.Module, micro_batches: list[tuple[torch.Tensor, ...]], total_tokens: int,
+                     world_size: int = 1, autocast: Any = contextlib.nullcontext,
+                     scaler: Any = None) -> tuple[float, float]:
+    """Accumulate gradients of sum(loss) / total_tokens over micro-batches: dividing by the tokens
+    of the whole update (all micro-batches, all ranks) makes accumulation equal one big batch.
+    DDP averages gradients over ranks, so each rank's loss is scaled by world_size to get a sum.
+    Returns this rank's (loss_sum, nll_sum)."""
+    totals = []
+    for i, (src, tgt_in, tgt_out) in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        sync = contextlib.nullcontext() if last or not hasattr(objective, "no_sync") else objective.no_sync()
+        with sync:
+            with autocast():
+                loss_sum, nll_sum = objective(src, tgt_in, tgt_out)
+            scaled = loss_sum * (world_size / total_tokens)
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
+        totals.append(torch.stack([loss_sum.detach(), nll_sum.detach()]))
+    loss_total, nll_total = torch.stack(totals).sum(0).tolist()  # one device sync per update
+    return loss_total, nll_total

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
-from mtrain.atomic import atomic_text
+from mtrain.atomic import atomic_write
 
 # Wall-clock fields of metrics.jsonl records: the only ones that differ between two identical runs.
 TIME_FIELDS = frozenset({"tokens_per_s", "elapsed_s", "valid_s"})
@@ -27,7 +26,7 @@ class MetricsLog:
         self._rewrite()
 
     def _rewrite(self) -> None:
-        with atomic_text(self.path) as handle:
+        with atomic_write(self.path) as handle:
             for record in self.records:
                 handle.write(json.dumps(record) + "\n")
 
@@ -55,7 +54,7 @@ def _series(records: list[dict[str, Any]], event: str, key: str) -> tuple[list[i
 
 
 def plot_metrics(records: list[dict[str, Any]], out: str | Path) -> None:
-    """Three panels sharing the step axis; written to a temp file, then renamed into place."""
+    """Three panels sharing the step axis, written atomically."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed; safe in headless runs
@@ -77,8 +76,8 @@ def plot_metrics(records: list[dict[str, Any]], out: str | Path) -> None:
     for ax in (ax_loss, ax_bleu, ax_lr):
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    out = Path(out)
-    tmp = out.with_name(out.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, out)
+    try:
+        with atomic_write(out, binary=True) as handle:
+            fig.savefig(handle, format="png", dpi=100)
+    finally:
+        plt.close(fig)

@@ -9,12 +9,40 @@ len counts every scored token, EOS included: n tokens + EOS have len = n + 1.
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import torch
 from torch import Tensor
 
+from mtrain.kernels import NEG_INF, logsumexp_, topk_rows
 from mtrain.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
-NEG_INF = float("-inf")
+
+class DecoderCache(Protocol):
+    """What the searches do with a decoding cache (mtrain.cache.KVCache is the model's)."""
+
+    def expand_beams(self, group: int) -> "DecoderCache":
+        """After one step with one row per source: `group` identical beams per source."""
+
+    def reorder(self, index: Tensor, cross: bool = True) -> None:
+        """Target row i becomes old row index[i]; cross=False: sources stay as they are."""
+
+
+class Decoder(Protocol):
+    """What greedy and beam search need of a model. mtrain.model.Transformer, mtrain.ensemble.Ensemble
+    and the scripted models of the tests all have it.
+
+    `memory` is whatever encode returns; the searches only index its rows (memory[rows]) and pass
+    it back to decode. decode takes (B, t) new target ids, returns (B, t, V) logits (or
+    log-probabilities: a log_softmax of them changes nothing) and extends the cache by t tokens."""
+
+    cfg: Any  # .max_len: the longest input the model takes
+
+    def encode(self, src: Tensor) -> Any: ...
+
+    def new_cache(self, group: int = 1) -> DecoderCache: ...
+
+    def decode(self, tgt: Tensor, memory: Any, src: Tensor, cache: DecoderCache | None = None) -> Tensor: ...
 
 
 def length_penalty(length: Tensor | int, alpha: float) -> Tensor:
@@ -34,7 +62,7 @@ def topk_step(scores: Tensor, top: Tensor, top_ids: Tensor, k: int) -> tuple[Ten
     return values, flat // kk, top_ids.reshape(B, K * kk).gather(1, flat)
 
 
-def next_token_topk(model, tokens: Tensor, memory: Tensor, src: Tensor, cache, at_max: Tensor,
+def next_token_topk(model: Decoder, tokens: Tensor, memory: Tensor, src: Tensor, cache, at_max: Tensor,
                     k: int) -> tuple[Tensor, Tensor]:
     """Feed one new token per row; the k most probable next tokens of each row: float32
     log-probs (N, k), best first, and their ids (N, k). PAD/BOS never, only EOS at max length.
@@ -56,40 +84,6 @@ def next_token_topk(model, tokens: Tensor, memory: Tensor, src: Tensor, cache, a
     return top, ids
 
 
-def logsumexp_(x: Tensor, peak: Tensor) -> Tensor:
-    """(N, V) -> (N, 1) log sum exp of each row, computed in place in x (which is overwritten).
-    peak (N, 1) = the row maxima: subtracted first, so exp cannot overflow."""
-    peak = peak.masked_fill(~peak.isfinite(), 0.0)  # a row of -inf: log 0 = -inf, not NaN
-    return x.sub_(peak).exp_().sum(dim=1, keepdim=True).log_().add_(peak)
-
-
-def topk_rows(x: Tensor, k: int, chunk: int = 64) -> tuple[Tensor, Tensor]:
-    """x.topk(k, dim=1) of (N, V) x, in two short passes, ~2.5x faster on a CPU for a large V.
-
-    The k largest values lie in the k chunks (of `chunk` columns) with the largest maxima: a chunk
-    holding one of them has a maximum at least as large as the k-th largest value, and any k
-    chunks with larger maxima would already supply k values that large. So the chunk maxima (one
-    vectorised reduction) pick k * chunk candidate columns, and topk runs over those only. Ties
-    may pick other columns of equal value, as topk's order among ties is unspecified anyway."""
-    V = x.size(1)
-    n = V // chunk
-    if x.device.type != "cpu" or n < 4 * k:  # GPU topk is fast already; small V gains nothing
-        return x.topk(k, dim=1)
-    maxima = x[:, : n * chunk].unflatten(1, (n, chunk)).amax(dim=2)
-    ragged = V > n * chunk  # a last, shorter chunk
-    if ragged:
-        maxima = torch.cat([maxima, x[:, n * chunk :].amax(dim=1, keepdim=True)], dim=1)
-    best = maxima.topk(k, dim=1, sorted=False).indices
-    cols = (best.unsqueeze(-1) * chunk + torch.arange(chunk, device=x.device)).flatten(1)  # (N, k * chunk)
-    if ragged:
-        beyond = cols >= V
-        candidates = x.gather(1, cols.clamp_(max=V - 1)).masked_fill_(beyond, NEG_INF)
-    else:
-        candidates = x.gather(1, cols)
-    values, pick = candidates.topk(k, dim=1)
-    return values, cols.gather(1, pick)
-
-
 def mask_scores(scores: Tensor, at_max: Tensor) -> Tensor:
     """In place on (N, V) logits or log-probs: PAD and BOS are never generated; rows at their
     maximum length (`at_max`, (N,) bool) may only end, and EOS keeps its own score there."""
@@ -107,7 +101,7 @@ def _until_eos(row: list[int]) -> list[int]:
 
 
 @torch.inference_mode()
-def greedy_search(model, src: Tensor, max_len: Tensor) -> list[list[int]]:
+def greedy_search(model: Decoder, src: Tensor, max_len: Tensor) -> list[list[int]]:
     """Most probable next token at each step. src (B, S) ids padded with PAD and ending in EOS;
     max_len (B,) maximum output lengths. Finished sentences leave the batch (and the cache)."""
     B = src.size(0)
@@ -132,7 +126,7 @@ def greedy_search(model, src: Tensor, max_len: Tensor) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def beam_search(model, src: Tensor, beam: int, lenpen: float, max_len: Tensor,
+def beam_search(model: Decoder, src: Tensor, beam: int, lenpen: float, max_len: Tensor,
                 nbest: int = 1) -> list[list[tuple[list[int], float]]]:
     """Beam search over a flattened (sentences x beam) batch. Returns per sentence the `nbest`
     best (ids, score) pairs, best first; scores are length-normalised (see the module docstring).

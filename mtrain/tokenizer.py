@@ -73,22 +73,55 @@ def _friendly_training_error(message: str, cfg: TokenizerConfig, side: str) -> M
     return MtrainError(f"SentencePiece training failed on the {side} text: {first}")
 
 
+class Side:
+    """The SentencePiece model of one side (source or target): encode, sample, decode, normalize."""
+
+    def __init__(self, model: bytes) -> None:
+        self.model = model  # the serialized proto, as spm.model holds it
+        self._proc = spm.SentencePieceProcessor(model_proto=model)
+        _check_special_ids(self._proc)
+        self.vocab_size: int = self._proc.get_piece_size()
+
+    def encode(self, lines: list[str]) -> list[list[int]]:
+        return self._proc.encode(list(lines), out_type=int, num_threads=os.cpu_count() or 1)
+
+    def sample(self, lines: list[str], alpha: float, seed: int) -> list[list[int]]:
+        """One sampled segmentation per line (subword regularization / BPE-dropout), repeatable
+        within a process: the same (lines, alpha, seed) give the same ids."""
+        # One thread: each SentencePiece thread draws from its own generator, so with more threads
+        # the draws depend on how lines are shared out, and the result is not repeatable.
+        spm.set_random_generator_seed(seed)
+        return self._proc.encode(list(lines), out_type=int, enable_sampling=True, alpha=alpha, nbest_size=-1,
+                                 num_threads=1)
+
+    def decode(self, ids: list[list[int]]) -> list[str]:
+        """Detokenized text. PAD/BOS/EOS are skipped; UNK shows as ' ⁇ ' (it cannot occur in
+        encoded input thanks to byte fallback, only in model output)."""
+        size = self.vocab_size
+        # Ids from tensors may be numpy/torch ints; out-of-range ids would crash SentencePiece.
+        clean = [[int(i) for i in seq if int(i) not in _SKIP and 0 <= int(i) < size] for seq in ids]
+        return self._proc.decode(clean) if clean else []  # SentencePiece decodes [] as one empty line: ''
+
+    def normalize(self, lines: list[str]) -> list[str]:
+        """The text SentencePiece actually sees (NFKC, whitespace collapsed): decode(encode(s)) == this."""
+        # normalize() marks spaces with U+2581 and keeps a leading one; decoded text has plain spaces.
+        # Not strip(): it would also eat U+0085.
+        return [self._proc.normalize(line).replace("\u2581", " ").strip(" ") for line in lines]
+
+    def pieces(self, line: str) -> list[str]:
+        return self._proc.encode(line, out_type=str)
+
+
 class Tokenizer:
-    """One SentencePiece model shared by both sides (joint) or one per side (separate).
+    """One SentencePiece model shared by both sides (joint: `src is tgt`) or one per side.
 
     Encoding never adds BOS/EOS: batching does that (see mtrain.data.collate).
     """
 
     def __init__(self, src_model: bytes, tgt_model: bytes | None = None) -> None:
         self.joint: bool = tgt_model is None
-        self._src_bytes = src_model
-        self._tgt_bytes = tgt_model
-        self._src = spm.SentencePieceProcessor(model_proto=src_model)
-        self._tgt = self._src if tgt_model is None else spm.SentencePieceProcessor(model_proto=tgt_model)
-        for proc in {id(self._src): self._src, id(self._tgt): self._tgt}.values():
-            _check_special_ids(proc)
-        self.src_vocab_size: int = self._src.get_piece_size()
-        self.tgt_vocab_size: int = self._tgt.get_piece_size()
+        self.src = Side(src_model)
+        self.tgt = self.src if tgt_model is None else Side(tgt_model)
 
     # --- building -------------------------------------------------------------------------
     @classmethod
@@ -108,10 +141,10 @@ class Tokenizer:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         if self.joint:
-            (out_dir / "spm.model").write_bytes(self._src_bytes)
+            (out_dir / "spm.model").write_bytes(self.src.model)
         else:
-            (out_dir / "spm.src.model").write_bytes(self._src_bytes)
-            (out_dir / "spm.tgt.model").write_bytes(self._tgt_bytes)  # type: ignore[arg-type]
+            (out_dir / "spm.src.model").write_bytes(self.src.model)
+            (out_dir / "spm.tgt.model").write_bytes(self.tgt.model)
 
     @classmethod
     def load(cls, out_dir: str | Path, joint: bool | None = None) -> "Tokenizer":
@@ -131,8 +164,8 @@ class Tokenizer:
         return {
             "version": STATE_VERSION,
             "joint": self.joint,
-            "src_model": self._src_bytes,
-            "tgt_model": self._tgt_bytes,
+            "src_model": self.src.model,
+            "tgt_model": None if self.joint else self.tgt.model,
             "special_ids": dict(SPECIAL_IDS),
         }
 
@@ -142,63 +175,8 @@ class Tokenizer:
             raise MtrainError("checkpoint tokenizer state is missing or malformed; re-save the checkpoint with mtrain")
         return cls(state["src_model"], None if state.get("joint", True) else state["tgt_model"])
 
-    # --- using ----------------------------------------------------------------------------
-    def encode_src(self, lines: list[str]) -> list[list[int]]:
-        return self._src.encode(list(lines), out_type=int, num_threads=os.cpu_count() or 1)
-
-    def encode_tgt(self, lines: list[str]) -> list[list[int]]:
-        return self._tgt.encode(list(lines), out_type=int, num_threads=os.cpu_count() or 1)
-
-    def sample_src(self, lines: list[str], alpha: float, seed: int) -> list[list[int]]:
-        """One sampled segmentation per line (subword regularization / BPE-dropout), repeatable:
-        the same (lines, alpha, seed) give the same ids."""
-        return _sample(self._src, lines, alpha, seed)
-
-    def sample_tgt(self, lines: list[str], alpha: float, seed: int) -> list[list[int]]:
-        return _sample(self._tgt, lines, alpha, seed)
-
-    def decode_src(self, ids: list[list[int]]) -> list[str]:
-        return _decode(self._src, ids)
-
-    def decode_tgt(self, ids: list[list[int]]) -> list[str]:
-        """Detokenized text. PAD/BOS/EOS are skipped; UNK shows as ' ⁇ ' (it cannot occur in
-        encoded input thanks to byte fallback, only in model output)."""
-        return _decode(self._tgt, ids)
-
-    def normalize_src(self, lines: list[str]) -> list[str]:
-        """The text SentencePiece actually sees (NFKC, whitespace collapsed): decode(encode(s)) == this."""
-        return [_visible(self._src.normalize(line)) for line in lines]
-
-    def normalize_tgt(self, lines: list[str]) -> list[str]:
-        return [_visible(self._tgt.normalize(line)) for line in lines]
-
-    def src_pieces(self, line: str) -> list[str]:
-        return self._src.encode(line, out_type=str)
-
-    def tgt_pieces(self, line: str) -> list[str]:
-        return self._tgt.encode(line, out_type=str)
-
 
 _SKIP = frozenset((PAD_ID, BOS_ID, EOS_ID))
-
-
-def _sample(proc: spm.SentencePieceProcessor, lines: list[str], alpha: float, seed: int) -> list[list[int]]:
-    # One thread: each SentencePiece thread draws from its own generator, so with more threads the
-    # draws depend on how lines are shared out, and the result is not repeatable.
-    spm.set_random_generator_seed(seed)
-    return proc.encode(list(lines), out_type=int, enable_sampling=True, alpha=alpha, nbest_size=-1, num_threads=1)
-
-
-def _decode(proc: spm.SentencePieceProcessor, ids: list[list[int]]) -> list[str]:
-    size = proc.get_piece_size()
-    # Ids from tensors may be numpy/torch ints; out-of-range ids would crash SentencePiece.
-    clean = [[int(i) for i in seq if int(i) not in _SKIP and 0 <= int(i) < size] for seq in ids]
-    return proc.decode(clean) if clean else []  # SentencePiece decodes [] as one empty line: ''
-
-
-def _visible(normalized: str) -> str:
-    # normalize() marks spaces with U+2581 and keeps a leading one; decoded text has plain spaces.
-    return normalized.replace("\u2581", " ").strip(" ")  # not strip(): it would also eat U+0085
 
 
 def _check_special_ids(proc: spm.SentencePieceProcessor) -> None:

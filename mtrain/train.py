@@ -1,11 +1,6 @@
-"""The training loop: token-budget batches, label-smoothed teacher forcing, the paper's Adam and
-LR schedule, validation BLEU, atomic checkpoints and exact resume (re-run the same command).
-
-Fault injection for tests (environment variables, read at start):
-  MTRAIN_INJECT_NAN="3,5-7"  the loss of these update attempts becomes NaN (attempts count from 1
-                             and include skipped updates, so "3" is one NaN, then training goes on);
-  MTRAIN_STOP_AT_STEP=4      behave as if SIGINT arrived during update 4 (save last.pt, stop).
-"""
+"""The training loop: `Trainer` holds one run's parts (data, model, optimizer, TrainState) and does
+the single jobs (resume, one update, validate, save); `Run` is the loop around them (logging
+windows, validation and saving cadence, stopping). Exact resume: re-run the same command."""
 
 from __future__ import annotations
 
@@ -13,117 +8,46 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import random
 import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from mtrain import checkpoint
 from mtrain import distributed as dist_utils
-from mtrain.atomic import atomic_text
+from mtrain.atomic import atomic_write
 from mtrain.config import Config, replace, to_dict, to_yaml
+from mtrain.data import BatchStream, SubwordSampler, TokenizedData, collate, make_batches, stream_target_tokens, target_tokens
 from mtrain.errors import MtrainError
-from mtrain.hardware import cpu_has_native_bf16
-from mtrain.loss import label_smoothed_loss, symmetric_kl
+from mtrain.evaluate import score
+from mtrain.hardware import amp_note, resolve_amp, resolve_device
+from mtrain.loss import Objective, forward_backward
+from mtrain.model import Transformer
 from mtrain.plot import MetricsLog, plot_metrics
+from mtrain.resume import TrainState, empty_window, rng_state, set_rng_state
 from mtrain.schedule import cooldown_patience_note, lr_at
-from mtrain.translate import resolve_device
+from mtrain.tokenizer import PAD_ID, Tokenizer
+from mtrain.translate import translate_lines
 
 N_SAMPLES = 3  # sample translations shown at each validation
 
 
-# ---------------------------------------------------------------- small pure helpers
+# ---------------------------------------------------------------- set-up
 
-def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
-    """train.amp -> autocast dtype: auto = bf16 on GPUs that support it, fp16 on older GPUs, off on CPU.
-    bf16 on a CPU without native bfloat16 falls back to float32 (see amp_note): it would be ~30x slower."""
-    if amp == "off":
-        return None
-    if amp == "auto":
-        if device.type != "cuda":
-            return None
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if amp == "bf16":
-        if device.type == "cpu" and not cpu_has_native_bf16():
-            return None
-        return torch.bfloat16
-    if amp == "fp16":
-        if device.type != "cuda":
-            raise MtrainError("train.amp=fp16 needs a CUDA device; use train.amp=bf16 or off on CPU")
-        return torch.float16
-    raise MtrainError(f"train.amp={amp!r}: unknown value; use auto, bf16, fp16 or off")
-
-
-def amp_note(amp: str, dtype: torch.dtype | None, device: torch.device) -> str:
-    """One line for the log: the precision training runs in, and why when it is not what was asked."""
-    name = {None: "float32", torch.bfloat16: "bfloat16 autocast", torch.float16: "float16 autocast"}[dtype]
-    if amp == "bf16" and dtype is None:
-        return (f"precision: {name} (train.amp=bf16 asked, but this CPU has no native bfloat16: "
-                f"emulated, bf16 would run ~30x slower)")
-    return f"precision: {name} (train.amp={amp}, {device.type})"
-
-
-def parse_steps(text: str) -> set[int]:
-    """'3,5-7' -> {3, 5, 6, 7} (the MTRAIN_INJECT_NAN format)."""
-    steps: set[int] = set()
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        low, _, high = part.partition("-")
-        steps.update(range(int(low), int(high or low) + 1))
-    return steps
-
-
-def rng_state() -> dict[str, Any]:
-    """Every RNG the loop may touch, as plain data that torch.load(weights_only=True) accepts."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(_as_tuple(state["python"]))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _as_tuple(value: Any) -> Any:
-    # random.setstate wants nested tuples; a checkpoint round trip may hand back lists.
-    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
-
-
-def target_tokens(tgt_lengths: np.ndarray, batches: list[np.ndarray]) -> int:
-    """Loss-bearing target tokens of some batches: each sentence's pieces plus its EOS."""
-    return int(sum(int(tgt_lengths[b].sum()) + len(b) for b in batches))
-
-
-def stream_target_tokens(batches: list["Batch"]) -> int:
-    """target_tokens of stream batches, each counted in the split of its own epoch."""
-    return sum(target_tokens(b.split.tgt.lengths, [b.indices]) for b in batches)
-
-
-def model_config_for_data(cfg: Config, tokenizer: Any) -> Config:
+def model_config_for_data(cfg: Config, tokenizer: Tokenizer) -> Config:
     """Vocabulary sizes come from the tokenized data, not from the config file."""
-    from mtrain.tokenizer import PAD_ID
-
     joint = bool(tokenizer.joint)
     return replace(cfg, model={
-        "vocab_size": int(tokenizer.tgt_vocab_size),
-        "src_vocab_size": 0 if joint else int(tokenizer.src_vocab_size),
+        "vocab_size": int(tokenizer.tgt.vocab_size),
+        "src_vocab_size": 0 if joint else int(tokenizer.src.vocab_size),
         "share_embeddings": cfg.model.share_embeddings and joint,
         "pad_id": PAD_ID,
     })
@@ -139,142 +63,7 @@ def check_direction(cfg: Config, meta: dict[str, Any], data_dir: Path) -> None:
         )
 
 
-# ---------------------------------------------------------------- data order
-
-class Batch(NamedTuple):
-    """A training batch: sentence indices into the split of the epoch it was drawn from."""
-
-    split: Any
-    indices: np.ndarray
-
-
-class BatchStream:
-    """The endless sequence of training batches: epoch e's bucketed batch list (shuffled from
-    (seed, e)), then epoch e+1's. (epoch, index) is the whole position, so resume is exact.
-    With a sampler (subword sampling), epoch e's batches index the split sampler(e) returns."""
-
-    def __init__(self, split: Any, max_tokens: int, seed: int, epoch: int = 1, index: int = 0,
-                 sampler: Callable[[int], Any] | None = None) -> None:
-        self.split, self.max_tokens, self.seed, self.sampler = split, max_tokens, seed, sampler
-        self.epoch, self.index = epoch, index
-        self._cached: tuple[int, Any, list[np.ndarray]] | None = None
-
-    def _load(self, epoch: int) -> tuple[Any, list[np.ndarray]]:
-        from mtrain import data
-
-        if self._cached is None or self._cached[0] != epoch:
-            split = self.split if self.sampler is None else self.sampler(epoch)
-            batches = data.make_batches(split.src.lengths, split.tgt.lengths, self.max_tokens,
-                                        seed=self.seed, epoch=epoch, shuffle=True)
-            if not batches:
-                raise MtrainError("training split is empty; check the tokenized data folder (mtrain tokenize)")
-            self._cached = (epoch, split, batches)
-        return self._cached[1], self._cached[2]
-
-    def batches(self, epoch: int) -> list[np.ndarray]:
-        return self._load(epoch)[1]
-
-    def split_of(self, epoch: int) -> Any:
-        return self._load(epoch)[0]
-
-    def take(self, n: int) -> list[Batch]:
-        out = []
-        while len(out) < n:
-            split, batches = self._load(self.epoch)
-            if self.index >= len(batches):
-                self.epoch, self.index = self.epoch + 1, 0
-                continue
-            out.append(Batch(split, batches[self.index]))
-            self.index += 1
-        return out
-
-
-# ---------------------------------------------------------------- the objective
-
-class Objective(nn.Module):
-    """Teacher-forced label-smoothed loss as one module, so DDP (which hooks forward) and
-    torch.compile see the whole computation. The vocabulary projection runs only at real target
-    positions: pads are ~30% of a bucketed batch and the projection is the largest matmul."""
-
-    def __init__(self, model: nn.Module, label_smoothing: float, rdrop_alpha: float = 0.0) -> None:
-        super().__init__()
-        self.model, self.eps, self.rdrop_alpha = model, label_smoothing, rdrop_alpha
-
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.rdrop_alpha > 0 and self.training:
-            return self._rdrop(src, tgt_in, tgt_out)
-        logits, target = self._logits(src, tgt_in, tgt_out)
-        return label_smoothed_loss(logits, target, self.eps)
-
-    def _logits(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        memory = self.model.encode(src)  # (B, S, d_model)
-        states = self.model.decode_states(tgt_in, memory, src)  # (B, T, d_model)
-        real = tgt_out != self.model.cfg.pad_id  # (B, T)
-        return self.model.project(states[real]), tgt_out[real]  # (N, V), N = real target tokens
-
-    def _rdrop(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """R-Drop: the batch twice in one forward (stacked, so the two copies get independent
-        dropout masks), loss = mean of the two copies' label-smoothed losses + alpha * symmetric KL,
-        per real token. That is the paper's loss (sum of both NLLs + alpha * KL) halved, so the
-        logged loss and NLL stay comparable with a run without R-Drop."""
-        logits, target = self._logits(torch.cat([src, src]), torch.cat([tgt_in, tgt_in]), torch.cat([tgt_out, tgt_out]))
-        n = target.size(0) // 2  # boolean indexing is row-major: copy 1's positions, then copy 2's in the same order
-        loss_sum, nll_sum = label_smoothed_loss(logits, target, self.eps)
-        kl_sum = symmetric_kl(logits[:n], logits[n:])
-        return 0.5 * loss_sum + 0.5 * self.rdrop_alpha * kl_sum, 0.5 * nll_sum
-
-
-def forward_backward(objective: nn.Module, micro_batches: list[tuple[torch.Tensor, ...]], total_tokens: int,
-                     world_size: int = 1, autocast: Any = contextlib.nullcontext, scaler: Any = None,
-                     nan: bool = False) -> tuple[float, float]:
-    """Accumulate gradients of sum(loss) / total_tokens over micro-batches: dividing by the tokens
-    of the whole update (all micro-batches, all ranks) makes accumulation equal one big batch.
-    DDP averages gradients over ranks, so each rank's loss is scaled by world_size to get a sum.
-    Returns this rank's (loss_sum, nll_sum)."""
-    totals = []
-    for i, (src, tgt_in, tgt_out) in enumerate(micro_batches):
-        last = i == len(micro_batches) - 1
-        sync = contextlib.nullcontext() if last or not hasattr(objective, "no_sync") else objective.no_sync()
-        with sync:
-            with autocast():
-                loss_sum, nll_sum = objective(src, tgt_in, tgt_out)
-            if nan:
-                loss_sum = loss_sum * float("nan")
-            scaled = loss_sum * (world_size / total_tokens)
-            (scaler.scale(scaled) if scaler is not None else scaled).backward()
-        totals.append(torch.stack([loss_sum.detach(), nll_sum.detach()]))
-    loss_total, nll_total = torch.stack(totals).sum(0).tolist()  # one device sync per update
-    return loss_total, nll_total
-
-
-# ---------------------------------------------------------------- state that resume restores
-
-def empty_window() -> dict[str, float]:
-    """Sums over the updates since the last train log line; seconds = time inside those updates."""
-    return {"loss": 0.0, "nll": 0.0, "tokens": 0, "steps": 0, "seconds": 0.0}
-
-
-@dataclass
-class TrainState:
-    step: int = 0  # optimizer updates done
-    epoch: int = 1  # position in the batch stream: epoch and next batch index
-    batch_index: int = 0
-    best_bleu: float = -1.0
-    best_step: int = 0
-    bad_evals: int = 0  # validations since the last BLEU gain (early stopping)
-    last_eval_step: int = 0
-    nonfinite_run: int = 0  # consecutive skipped updates
-    nonfinite_total: int = 0
-    finished: str = ""  # why the last run ended ("max_steps", "early_stopping") once finish() saved
-    # Sums since the last train log line; in the checkpoint so a resumed run logs the same numbers.
-    # "seconds" is time inside updates only, so tokens/s skips validation, saving and the restart gap.
-    window: dict[str, float] = field(default_factory=empty_window)
-
-    @classmethod
-    def from_saved(cls, saved: dict[str, Any]) -> "TrainState":
-        """The state as last.pt stored it; windows saved before a key existed get it at zero."""
-        return cls(**{**saved, "window": {**empty_window(), **saved.get("window", {})}})
-
+# ---------------------------------------------------------------- signals
 
 class StopSignal:
     """SIGINT/SIGTERM set a flag that the loop checks after each update, so the step in flight
@@ -310,27 +99,24 @@ class Trainer:
 
     def __init__(self, cfg: Config, data_dir: Path, run_dir: Path, device: torch.device,
                  dist: dist_utils.DistInfo) -> None:
-        from mtrain import data
-
         self.data_dir, self.run_dir, self.device, self.dist = Path(data_dir), Path(run_dir), device, dist
-        check_direction(cfg, data.load_meta(data_dir), self.data_dir)
-        self.tokenizer = data.load_tokenizer(data_dir)
-        self.stats = data.load_stats(data_dir)
+        data = TokenizedData(data_dir)
+        check_direction(cfg, data.meta, self.data_dir)
+        self.tokenizer = data.tokenizer
+        self.stats = data.stats
         self.cfg = model_config_for_data(cfg, self.tokenizer)
         self.tcfg = self.cfg.train
-        self.train_split = data.load_split(data_dir, self.cfg.data.train_split)
-        self.valid_split = data.load_split(data_dir, self.cfg.data.valid_split)
+        self.train_split = data.split(self.cfg.data.train_split)
+        self.valid_split = data.split(self.cfg.data.valid_split)
         self.state = TrainState()
         sampler = None
         if self.tcfg.sampling_alpha > 0:
-            sampler = data.SubwordSampler(self.train_split, self.tokenizer, self.tcfg.sampling_alpha,
+            sampler = SubwordSampler(self.train_split, self.tokenizer, self.tcfg.sampling_alpha,
                                           self.tcfg.seed, self.tcfg.max_tokens)
         self.stream = BatchStream(self.train_split, self.tcfg.max_tokens, self.tcfg.seed, sampler=sampler)
         self._build_model()
 
     def _build_model(self) -> None:
-        from mtrain.model import Transformer
-
         seed = self.tcfg.seed
         random.seed(seed)
         np.random.seed(seed)
@@ -405,18 +191,16 @@ class Trainer:
 
     # ------------------------------------------------------------ one update
 
-    def train_step(self, nan_steps: set[int]) -> dict[str, float] | None:
+    def train_step(self) -> dict[str, float] | None:
         """One optimizer update over update_freq micro-batches per rank. Returns stats, or None
         when the loss was non-finite and the update was skipped."""
         t, world = self.tcfg, self.dist.world_size
         batches = self.stream.take(world * t.update_freq)  # the same list on every rank
         total = stream_target_tokens(batches)
         mine = batches[self.dist.rank * t.update_freq:(self.dist.rank + 1) * t.update_freq]
-        micro = [self._collate(b) for b in mine]
+        micro = [collate(b.split, b.indices, device=self.device) for b in mine]
         step = self.state.step + 1
-        attempt = step + self.state.nonfinite_total
-        loss_sum, nll_sum = forward_backward(self.objective, micro, total, world, self.autocast, self.scaler,
-                                             nan=attempt in nan_steps)
+        loss_sum, nll_sum = forward_backward(self.objective, micro, total, world, self.autocast, self.scaler)
         sums = dist_utils.all_reduce_sum(torch.tensor([loss_sum, nll_sum], dtype=torch.float64,
                                                       device=self.device), self.dist).tolist()
         if not math.isfinite(sums[0]):
@@ -430,11 +214,6 @@ class Trainer:
             return None
         self.state.step = step
         return {"loss": sums[0], "nll": sums[1], "tokens": total, "lr": lr, "grad_norm": grad_norm}
-
-    def _collate(self, batch: Batch) -> tuple[torch.Tensor, ...]:
-        from mtrain import data
-
-        return data.collate(batch.split, batch.indices, device=self.device)
 
     def _clip_and_step(self) -> float | None:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -471,9 +250,6 @@ class Trainer:
     def validate(self) -> dict[str, Any]:
         """Valid loss, then BLEU/chrF of translations of the raw valid source against the raw
         references. The RNG is forked so dropout after validation is what it would be without it."""
-        from mtrain.evaluate import score
-        from mtrain.translate import translate_lines
-
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             self.model.eval()
@@ -493,18 +269,16 @@ class Trainer:
                 "chrf": scores["chrf"], "samples": samples}
 
     def _valid_loss(self) -> tuple[float, float]:
-        from mtrain import data
-
         split = self.valid_split
         # Valid/test are kept exactly as given (not cleaned): a pair longer than max_tokens gets a
         # batch of its own instead of failing the run at its first validation.
-        batches = data.make_batches(split.src.lengths, split.tgt.lengths, self.tcfg.max_tokens,
+        batches = make_batches(split.src.lengths, split.tgt.lengths, self.tcfg.max_tokens,
                                     seed=self.tcfg.seed, epoch=0, shuffle=False, allow_oversize=True)
         loss = nll = 0.0
         objective = Objective(self.model, self.tcfg.label_smoothing)
         for batch in batches:
             with self.autocast():
-                loss_sum, nll_sum = objective(*data.collate(split, batch, device=self.device))
+                loss_sum, nll_sum = objective(*collate(split, batch, device=self.device))
             loss, nll = loss + loss_sum.item(), nll + nll_sum.item()
         tokens = max(1, target_tokens(split.tgt.lengths, batches))
         return loss / tokens, nll / tokens
@@ -514,6 +288,10 @@ class Trainer:
     def _ckpt(self, train_state: dict[str, Any] | None) -> dict[str, Any]:
         return checkpoint.make(to_dict(self.cfg), self.model.state_dict(), self.tokenizer.to_state(),
                                self.stats, self.state.step, train_state)
+
+    def save_best(self) -> None:
+        """RUN/best.pt: the model only (rank 0 calls it after a validation with a new best BLEU)."""
+        self._save(self._ckpt(None), self.run_dir / "best.pt")
 
     def _save(self, obj: dict[str, Any], path: Path) -> None:
         try:
@@ -569,8 +347,6 @@ class Trainer:
 
     def log(self, message: str) -> None:
         if self.dist.is_main:
-            from tqdm import tqdm
-
             tqdm.write(message, file=sys.stderr)
 
 
@@ -592,7 +368,7 @@ class Run:
             # A write killed by kill -9 or a crash leaves its temp file (a checkpoint's size each time).
             for stale in tr.run_dir.glob(".*.pt.*.tmp"):
                 stale.unlink(missing_ok=True)
-            with atomic_text(tr.run_dir / "config.yaml") as handle:  # a kill never leaves half a file
+            with atomic_write(tr.run_dir / "config.yaml") as handle:  # a kill never leaves half a file
                 handle.write(to_yaml(tr.cfg))
             self.metrics = MetricsLog(tr.run_dir / "metrics.jsonl", resume_step=tr.state.step if resumed else None)
         if not resumed:
@@ -635,7 +411,7 @@ class Run:
             improved = result["bleu"] > s.best_bleu
             if improved:
                 s.best_bleu, s.best_step, s.bad_evals = result["bleu"], s.step, 0
-                tr._save(tr._ckpt(None), tr.run_dir / "best.pt")
+                tr.save_best()
             else:
                 s.bad_evals += 1
             self.record({"event": "valid", "step": s.step, **result, "best_bleu": s.best_bleu, "best_step": s.best_step})
@@ -657,11 +433,7 @@ class Run:
 
     def loop(self, stop_signal: StopSignal) -> str:
         """Updates until max_steps, early stopping or a signal. Returns why it stopped."""
-        from tqdm import tqdm
-
         tr, t = self.tr, self.tr.tcfg
-        nan_steps = parse_steps(os.environ.get("MTRAIN_INJECT_NAN", ""))
-        stop_at = int(os.environ.get("MTRAIN_STOP_AT_STEP", "0") or 0)
         # Redirected to a file (nohup, SLURM), redraw rarely instead of ten times a second.
         bar = tqdm(total=t.max_steps, initial=tr.state.step, unit="step", file=sys.stderr, dynamic_ncols=True,
                    mininterval=0.5 if sys.stderr.isatty() else 30.0, disable=not tr.dist.is_main)
@@ -669,7 +441,7 @@ class Run:
         try:
             while tr.state.step < t.max_steps:
                 start = time.perf_counter()
-                stats = tr.train_step(nan_steps)
+                stats = tr.train_step()
                 if stats is None:
                     tr.count_nonfinite()
                     continue
@@ -679,8 +451,6 @@ class Run:
                 bar.update(1)
                 bar.set_postfix(loss=f"{stats['loss'] / stats['tokens']:.3f}", lr=f"{stats['lr']:.2e}",
                                 tok_s=f"{stats['tokens'] / seconds:.0f}", refresh=False)
-                if tr.state.step == stop_at and stop_signal.signum is None:
-                    stop_signal.signum = signal.SIGINT
                 step = tr.state.step
                 early = self.validate() if step % t.eval_every == 0 else False
                 if early:

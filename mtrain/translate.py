@@ -12,11 +12,16 @@ from typing import IO, Any, Iterator
 
 import torch
 
-from mtrain.atomic import atomic_text
+from tqdm import tqdm
+
+from mtrain.atomic import atomic_write
+from mtrain.checkpoint import load_models
 from mtrain.config import DecodeConfig
+from mtrain.data import make_batches
 from mtrain.errors import MtrainError
-from mtrain.search import beam_search, greedy_search
-from mtrain.tokenizer import EOS_ID, PAD_ID
+from mtrain.hardware import resolve_device
+from mtrain.search import Decoder, beam_search, greedy_search
+from mtrain.tokenizer import EOS_ID, PAD_ID, Tokenizer
 
 CHUNK_LINES = 2000  # lines read, translated and written at a time: memory stays bounded on big inputs
 # Everything str.splitlines() breaks on: a translation must never add a line to the output.
@@ -39,19 +44,6 @@ def check_decode(decode: DecodeConfig) -> None:
             raise MtrainError(f"{message}; fix the option (or decode.* in the config)")
 
 
-def resolve_device(device: str) -> torch.device:
-    """`auto` is cuda when available, else cpu; unusable names fail in one line."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError:
-        raise MtrainError(f"--device {device}: not a device name; use auto, cpu, cuda or cuda:N") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise MtrainError(f"--device {device}: CUDA is not available here; use --device cpu (or auto)")
-    return resolved
-
-
 def length_slope(decode: DecodeConfig, stats: dict[str, Any] | None) -> float:
     """`a` of the maximum output length a * src_len + b. The training data's tgt/src token ratio
     (stats.json) can only raise it, to mean + 2 std, so a pair whose target side is longer in
@@ -62,17 +54,15 @@ def length_slope(decode: DecodeConfig, stats: dict[str, Any] | None) -> float:
     return decode.max_len_a
 
 
-def make_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+def decode_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     """Indices grouped by length, longest batch first, so that each batch's padded source
     (sentences x (longest + EOS)) stays within max_tokens; a longer sentence goes alone.
     The training batcher's rule, unshuffled: decoding needs no (seed, epoch) order."""
-    from mtrain import data
-
-    batches = data.make_batches(lengths, lengths, max_tokens, seed=0, epoch=0, shuffle=False, allow_oversize=True)
+    batches = make_batches(lengths, lengths, max_tokens, seed=0, epoch=0, shuffle=False, allow_oversize=True)
     return [batch[::-1].tolist() for batch in reversed(batches)]
 
 
-def _pad(seqs: list[list[int]], device: torch.device) -> torch.Tensor:
+def pad_sources(seqs: list[list[int]], device: torch.device) -> torch.Tensor:
     src = torch.full((len(seqs), max(map(len, seqs)) + 1), PAD_ID, dtype=torch.long)
     for row, ids in enumerate(seqs):
         src[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
@@ -80,33 +70,33 @@ def _pad(seqs: list[list[int]], device: torch.device) -> torch.Tensor:
     return src.to(device)
 
 
-def _search(model, src: torch.Tensor, max_len: torch.Tensor, decode: DecodeConfig) -> list[list[tuple[list[int], float]]]:
+def _search(model: Decoder, src: torch.Tensor, max_len: torch.Tensor, decode: DecodeConfig) -> list[list[tuple[list[int], float]]]:
     if decode.beam == 1:  # greedy has no scores; nbest is 1 here (check_decode)
         return [[(ids, 0.0)] for ids in greedy_search(model, src, max_len)]
     return beam_search(model, src, decode.beam, decode.lenpen, max_len, nbest=decode.nbest)
 
 
-def translate_nbest(model, tokenizer, lines: list[str], decode: DecodeConfig, device: torch.device | str,
+def translate_nbest(model: Decoder, tokenizer: Tokenizer, lines: list[str], decode: DecodeConfig, device: torch.device | str,
                     stats: dict[str, Any] | None = None, bar=None) -> tuple[Hypotheses, int]:
     """The n-best (text, score) of each line in input order, and the number of lines cut to the
     model's max_len. Empty and whitespace-only lines get `decode.nbest` empty translations (score
     0.0) without running the model."""
     check_decode(decode)
     device = torch.device(device)
-    ids = tokenizer.encode_src([line if line.strip() else "" for line in lines])
+    ids = tokenizer.src.encode([line if line.strip() else "" for line in lines])
     limit = model.cfg.max_len - 1  # room for EOS
     n_cut = sum(len(seq) > limit for seq in ids)
     ids = [seq[:limit] for seq in ids]
     results: Hypotheses = [[("", 0.0)] * decode.nbest for _ in lines]
     todo = [i for i, seq in enumerate(ids) if seq]
     slope = length_slope(decode, stats)
-    for batch in make_batches([len(ids[i]) for i in todo], decode.max_tokens):
+    for batch in decode_batches([len(ids[i]) for i in todo], decode.max_tokens):
         rows = [todo[j] for j in batch]
-        src = _pad([ids[i] for i in rows], device)
+        src = pad_sources([ids[i] for i in rows], device)
         src_len = torch.tensor([len(ids[i]) for i in rows], dtype=torch.float64)
         max_len = (slope * src_len + decode.max_len_b).floor().long()
         hyps = _search(model, src, max_len, decode)
-        texts = tokenizer.decode_tgt([h for nbest in hyps for h, _ in nbest])
+        texts = tokenizer.tgt.decode([h for nbest in hyps for h, _ in nbest])
         for k, i in enumerate(rows):
             chunk = texts[k * decode.nbest : (k + 1) * decode.nbest]
             results[i] = [(LINE_BREAKS.sub(" ", text), score) for text, (_, score) in zip(chunk, hyps[k])]
@@ -123,17 +113,24 @@ def warn_cut(n_cut: int, max_len: int) -> None:
               file=sys.stderr)
 
 
-def translate_lines(model, tokenizer, lines: list[str], decode: DecodeConfig, device: torch.device | str,
+def translate_lines(model: Decoder, tokenizer: Tokenizer, lines: list[str], decode: DecodeConfig, device: torch.device | str,
                     stats: dict[str, Any] | None = None, progress: bool = False) -> list[str]:
     """Detokenized best translations, one per input line, in input order (empty lines stay empty).
     `stats` is the checkpoint's stats.json (see length_slope); `progress` shows tqdm on stderr."""
-    from tqdm import tqdm
-
     one_best = dataclasses.replace(decode, nbest=1)
     with tqdm(total=len(lines), unit=" lines", file=sys.stderr, disable=not progress, leave=False) as bar:
         results, n_cut = translate_nbest(model, tokenizer, lines, one_best, device, stats, bar)
     warn_cut(n_cut, model.cfg.max_len)
     return [nbest[0][0] for nbest in results]
+
+
+def translate_checkpoints(checkpoints: str | Path | list[str | Path], lines: list[str], decode: DecodeConfig,
+                          device: str = "auto") -> list[str]:
+    """The best translation of each line by a checkpoint (several: an ensemble), with a progress bar."""
+    check_decode(decode)
+    resolved = resolve_device(device)
+    model, tokenizer, ckpt = load_models(checkpoints, resolved)
+    return translate_lines(model, tokenizer, lines, decode, resolved, stats=ckpt.get("stats") or None, progress=True)
 
 
 # --- files -------------------------------------------------------------------------------------
@@ -181,7 +178,7 @@ def atomic_output(output: str) -> Iterator[IO[str]]:
     if output == "-":
         yield sys.stdout
         return
-    with atomic_text(output) as sink:
+    with atomic_write(output) as sink:
         yield sink
 
 
@@ -191,10 +188,6 @@ def translate_file(checkpoints: str | Path | list[str | Path], input: str, outpu
     line per input line (nbest lines with --nbest) to `output` (- for stdout). A named output is
     written to a temp file in its folder and renamed at the end: an error leaves no half file.
     Several checkpoints decode as an ensemble (mtrain.ensemble)."""
-    from tqdm import tqdm
-
-    from mtrain.ensemble import load_models
-
     check_decode(decode)
     resolved = resolve_device(device)
     with open_input(input) as (handle, name, interactive):

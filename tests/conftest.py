@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -47,12 +49,54 @@ def multi30k_slice(multi30k_dir, tmp_path_factory) -> Path:
 def tokenized_slice(multi30k_slice, tmp_path_factory) -> Path:
     """`mtrain tokenize` output for multi30k_slice (joint unigram, vocab 1000): spm.model, ids, stats.
 
-    Load it with mtrain.data.load_split(path, "train" | "valid" | "test2016") / load_tokenizer(path).
+    Load it with mtrain.TokenizedData(path).split("train" | "valid" | "test2016") / TokenizedData(path).tokenizer.
     """
     from mtrain.config import load_config
-    from mtrain.data import tokenize_corpus
+    from mtrain.prepare import tokenize_corpus
 
     out = tmp_path_factory.mktemp("multi30k-tok")
     cfg = load_config(None, ["tokenizer.vocab_size=1000"])
     tokenize_corpus(cfg, data_dir=multi30k_slice, out_dir=out, splits=["train", "valid", "test2016"])
     return out
+
+
+# ---------------------------------------------------------------- seams into the training loop
+
+@pytest.fixture
+def stop_at_step(monkeypatch):
+    """stop_at_step(n): a real SIGINT reaches the trainer at the end of update n, as Ctrl-C would
+    (the loop's own handler takes it: save last.pt, stop); stop_at_step(None) disarms it."""
+    from mtrain import train
+
+    original = train.Trainer.train_step
+
+    def arm(step: int | None) -> None:
+        def train_step(self):
+            stats = original(self)
+            if stats is not None and self.state.step == step:
+                signal.raise_signal(signal.SIGINT)  # the Python handler runs before this returns
+            return stats
+
+        monkeypatch.setattr(train.Trainer, "train_step", original if step is None else train_step)
+
+    return arm
+
+
+@pytest.fixture
+def nan_losses(monkeypatch):
+    """nan_losses(attempts): the summed loss of these update attempts (counted from 1 in this
+    process, skipped updates included) comes back NaN, as an overflow would make it."""
+    from mtrain import train
+
+    original = train.forward_backward
+
+    def arm(attempts) -> None:
+        calls, attempts = itertools.count(1), set(attempts)
+
+        def forward_backward(*args, **kwargs):
+            loss_sum, nll_sum = original(*args, **kwargs)
+            return (float("nan"), nll_sum) if next(calls) in attempts else (loss_sum, nll_sum)
+
+        monkeypatch.setattr(train, "forward_backward", forward_backward)
+
+    return arm

@@ -313,7 +313,7 @@ def _damaged_tok(env: Env, name: str, data: bytes) -> Path:
 def _tokenized(env: Env, valid: str) -> Path:
     """`mtrain tokenize` of the raw corpus with `valid` as an extra first valid pair (valid is not cleaned)."""
     from mtrain.config import load_config
-    from mtrain.data import tokenize_corpus
+    from mtrain.prepare import tokenize_corpus
 
     raw = env.corpus(valid_de=f"{valid}\n{env.text('valid.de')}".encode(), valid_en=f"{valid}\n{env.text('valid.en')}".encode())
     tokenize_corpus(load_config(None, ["tokenizer.vocab_size=400"]), raw, env.tmp / "tok-long", ["train", "valid"])
@@ -327,15 +327,15 @@ def _other_model(env: Env) -> Path:
 def make_checkpoint(tok: Path, path: Path, d_model: int = 32) -> Path:
     from mtrain.checkpoint import make, save_atomic
     from mtrain.config import Config, ModelConfig, to_dict
-    from mtrain.data import load_stats, load_tokenizer
+    from mtrain.data import TokenizedData
     from mtrain.model import Transformer
 
-    tokenizer = load_tokenizer(tok)
+    tokenizer = TokenizedData(tok).tokenizer
     cfg = ModelConfig(d_model=d_model, d_ff=64, n_heads=2, n_encoder_layers=1, n_decoder_layers=1,
-                      vocab_size=tokenizer.tgt_vocab_size, max_len=48)
+                      vocab_size=tokenizer.tgt.vocab_size, max_len=48)
     torch.manual_seed(0)
     save_atomic(make(to_dict(Config(model=cfg)), Transformer(cfg).state_dict(), tokenizer.to_state(),
-                     load_stats(tok), 1), path)
+                     TokenizedData(tok).stats, 1), path)
     return path
 
 

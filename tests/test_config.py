@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mtrain.config import Config, load_config, to_yaml, config_from_dict, to_dict
+from mtrain.config import Config, config_from_dict, load_config, to_dict, to_yaml
 from mtrain.errors import MtrainError
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))

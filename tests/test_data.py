@@ -11,18 +11,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mtrain.data import (
-    Ragged,
-    Split,
+from mtrain.corpus import (
     clean_pairs,
-    collate,
-    load_split,
-    load_stats,
-    make_batches,
     read_corpus,
     read_hf_dataset,
     read_lines,
     read_split,
+)
+from mtrain.data import (
+    Ragged,
+    Split,
+    TokenizedData,
+    collate,
+    make_batches,
     to_ragged_arrays,
 )
 from mtrain.errors import MtrainError
@@ -192,7 +193,7 @@ def test_tokenized_slice_loads_and_matches_its_inputs(tokenized_slice, multi30k_
     assert meta["special_ids"] == {"pad": 0, "unk": 1, "bos": 2, "eos": 3}
     assert meta["splits"] == ["train", "valid", "test2016"] and (meta["src"], meta["tgt"]) == ("de", "en")
     for name, n in (("train", 2000), ("valid", 100), ("test2016", 100)):
-        split = load_split(tokenized_slice, name)
+        split = TokenizedData(tokenized_slice).split(name)
         assert len(split) == n and isinstance(split.src.ids, np.memmap)
         assert split.src.ids.dtype == np.int32 and split.tgt.offsets.dtype == np.int64
         assert split.src_text() == read_lines(multi30k_slice / f"{name}.de")  # raw text, line for line
@@ -201,13 +202,13 @@ def test_tokenized_slice_loads_and_matches_its_inputs(tokenized_slice, multi30k_
 
 
 def test_stats_agree_with_the_cached_ids(tokenized_slice):
-    stats = load_stats(tokenized_slice)
+    stats = TokenizedData(tokenized_slice).stats
     # Multi30k train's only drops are lines 14215, 16867, 20149 (the 3 duplicates SOURCE.md mentions)
     # and 16510, 16664 (source "@@", ratio 8), so its first 2000 pairs lose nothing.
     assert stats["cleaning"]["input_pairs"] == stats["cleaning"]["kept_pairs"] == 2000
     assert set(stats["cleaning"]["dropped"].values()) == {0}
     for name in ("train", "valid", "test2016"):
-        split, entry = load_split(tokenized_slice, name), stats["splits"][name]
+        split, entry = TokenizedData(tokenized_slice).split(name), stats["splits"][name]
         assert entry["lines"] == len(split)
         assert entry["src_tokens"]["total"] == int(split.src.lengths.sum())
         assert entry["tgt_tokens"]["max"] == int(split.tgt.lengths.max())
@@ -220,9 +221,9 @@ def test_stats_agree_with_the_cached_ids(tokenized_slice):
 
 def test_load_errors(tokenized_slice, tmp_path):
     with pytest.raises(MtrainError, match="no tokenized split 'test2017'"):
-        load_split(tokenized_slice, "test2017")
+        TokenizedData(tokenized_slice).split("test2017")
     with pytest.raises(MtrainError, match=r"meta\.json: not found; .* run `mtrain tokenize"):
-        load_split(tmp_path, "train")
+        TokenizedData(tmp_path).split("train")
 
 
 # --- batching ----------------------------------------------------------------------------------
@@ -294,7 +295,7 @@ def test_collate_follows_index_order(tmp_path):
 
 
 def test_collate_real_batches(tokenized_slice):
-    split = load_split(tokenized_slice, "train")
+    split = TokenizedData(tokenized_slice).split("train")
     batches = make_batches(split.src.lengths, split.tgt.lengths, 1024, seed=1, epoch=0)
     _check_batches(batches, split.src.lengths, split.tgt.lengths, 1024)
     for batch in batches[:5]:
@@ -313,9 +314,9 @@ def test_collate_real_batches(tokenized_slice):
 def test_subword_sampler_is_a_function_of_seed_and_epoch(tokenized_slice):
     """Epoch e's sampled ids are the same whenever they are drawn (what exact resume needs),
     differ between epochs, and are another segmentation of the very same text."""
-    from mtrain.data import SubwordSampler, load_tokenizer
+    from mtrain.data import SubwordSampler
 
-    split, tok = load_split(tokenized_slice, "train"), load_tokenizer(tokenized_slice)
+    split, tok = TokenizedData(tokenized_slice).split("train"), TokenizedData(tokenized_slice).tokenizer
     a = SubwordSampler(split, tok, alpha=0.2, seed=1, max_tokens=4096)
     b = SubwordSampler(split, tok, alpha=0.2, seed=1, max_tokens=4096)
     e1, e2 = a(1), a(2)
@@ -326,16 +327,16 @@ def test_subword_sampler_is_a_function_of_seed_and_epoch(tokenized_slice):
     assert min(changed) > n // 4  # alpha 0.2 re-segments many lines
     assert sum(not np.array_equal(e1.src[i], e2.src[i]) for i in range(n)) > n // 4
     for sampled in (e1, e2):
-        assert tok.decode_src([sampled.src[i] for i in range(n)]) == tok.decode_src([split.src[i] for i in range(n)])
-        assert tok.decode_tgt([sampled.tgt[i] for i in range(n)]) == tok.decode_tgt([split.tgt[i] for i in range(n)])
+        assert tok.src.decode([sampled.src[i] for i in range(n)]) == tok.src.decode([split.src[i] for i in range(n)])
+        assert tok.tgt.decode([sampled.tgt[i] for i in range(n)]) == tok.tgt.decode([split.tgt[i] for i in range(n)])
 
 
 def test_subword_sampler_keeps_cached_ids_for_lines_too_long_to_batch(tokenized_slice):
     """With max_tokens at the cached corpus's longest line, every sampled line that came out longer
     falls back to its cached ids, and the epoch still batches."""
-    from mtrain.data import SubwordSampler, load_tokenizer
+    from mtrain.data import SubwordSampler
 
-    split, tok = load_split(tokenized_slice, "train"), load_tokenizer(tokenized_slice)
+    split, tok = TokenizedData(tokenized_slice).split("train"), TokenizedData(tokenized_slice).tokenizer
     cost = np.maximum(split.src.lengths, split.tgt.lengths) + 1
     max_tokens = int(cost.max())
     free = SubwordSampler(split, tok, alpha=0.1, seed=3, max_tokens=10**6)(1)
@@ -352,11 +353,11 @@ def test_subword_sampler_keeps_cached_ids_for_lines_too_long_to_batch(tokenized_
 def test_subword_sampler_refuses_text_that_does_not_match_the_ids(tokenized_slice, tmp_path):
     import shutil
 
-    from mtrain.data import SubwordSampler, load_tokenizer
+    from mtrain.data import SubwordSampler
 
     copy = tmp_path / "tok"
     shutil.copytree(tokenized_slice, copy)
     lines = (copy / "train.tgt.txt").read_text().splitlines(keepends=True)
     (copy / "train.tgt.txt").write_text("".join(lines[:-1]))
     with pytest.raises(MtrainError, match=r"train\.tgt\.txt: .* lines but .* cached sentences; re-run"):
-        SubwordSampler(load_split(copy, "train"), load_tokenizer(copy), alpha=0.2, seed=1, max_tokens=4096)
+        SubwordSampler(TokenizedData(copy).split("train"), TokenizedData(copy).tokenizer, alpha=0.2, seed=1, max_tokens=4096)

@@ -8,13 +8,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import test_search as search_tests
 import torch
+from test_search import random_batch, random_model
 
 from mtrain.ensemble import Ensemble
 from mtrain.search import beam_search, greedy_search
 from mtrain.tokenizer import BOS_ID
-import test_search as search_tests
-from test_search import random_batch, random_model
 
 
 @pytest.fixture(scope="module")

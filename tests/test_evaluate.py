@@ -277,16 +277,16 @@ def test_checkpoint_path_scores_a_multi30k_slice(tokenized_slice, tmp_path):
 
     from mtrain.checkpoint import make, save_atomic
     from mtrain.config import Config, ModelConfig, to_dict
-    from mtrain.data import load_stats, load_tokenizer
-    from mtrain.evaluate import read_lines
+    from mtrain.data import TokenizedData
+    from mtrain.evaluate import read_stripped_lines as read_lines
     from mtrain.model import Transformer
 
-    tokenizer = load_tokenizer(tokenized_slice)
+    tokenizer = TokenizedData(tokenized_slice).tokenizer
     model_cfg = ModelConfig(d_model=32, d_ff=64, n_heads=2, n_encoder_layers=1, n_decoder_layers=1,
-                            vocab_size=tokenizer.tgt_vocab_size)
+                            vocab_size=tokenizer.tgt.vocab_size)
     torch.manual_seed(0)
     model = Transformer(model_cfg)
-    ckpt = make(to_dict(Config(model=model_cfg)), model.state_dict(), tokenizer.to_state(), load_stats(tokenized_slice), 0)
+    ckpt = make(to_dict(Config(model=model_cfg)), model.state_dict(), tokenizer.to_state(), TokenizedData(tokenized_slice).stats, 0)
     ckpt_path = tmp_path / "run" / "best.pt"
     save_atomic(ckpt, ckpt_path)
 

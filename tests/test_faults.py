@@ -25,8 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.n_encoder_layers=1",
         "model.n_decoder_layers=1", "train.max_tokens=512", "train.warmup_steps=10", "train.log_every=1",
         "train.eval_max_sentences=4", "train.num_threads=1", "train.save_every=2", "train.eval_every=3"]
-from mtrain.plot import TIME_FIELDS  # the only metrics that may differ between two identical runs
-
+from mtrain.plot import (
+    TIME_FIELDS,  # the only metrics that may differ between two identical runs
+)
 
 # ---------------------------------------------------------------- kill points (run in the child)
 
@@ -542,16 +543,18 @@ def test_inconsistent_checkpoint_is_a_one_line_error(reference, tmp_path, change
 
 # ---------------------------------------------------------------- non-finite losses
 
-def test_nan_losses_are_skipped_and_counted_and_a_run_of_them_stops(tokenized_slice, tmp_path):
+def test_nan_losses_are_skipped_and_counted_and_a_run_of_them_stops(tokenized_slice, tmp_path, nan_losses):
     args = train_args(tokenized_slice, tmp_path / "one", 4)
-    result = cli(*args, env={"MTRAIN_INJECT_NAN": "3"})
+    nan_losses({3})
+    result = cli(*args)
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert (summary["step"], summary["nonfinite"]) == (4, 1)
     assert "step 3: non-finite loss, update skipped" in result.stderr
 
     args = train_args(tokenized_slice, tmp_path / "many", 6) + ["--set", "train.max_nonfinite=3"]
-    result = cli(*args, env={"MTRAIN_INJECT_NAN": "3-100"})
+    nan_losses(range(3, 101))
+    result = cli(*args)
     assert_one_line_error(result, "step 3: 3 non-finite losses in a row", "last.pt")
     from mtrain import checkpoint
 

@@ -11,7 +11,8 @@ from torch import nn
 
 from mtrain.config import ModelConfig, load_config
 from mtrain.errors import MtrainError
-from mtrain.model import Dropout, Transformer, attend, key_mask, sinusoids
+from mtrain.kernels import Dropout
+from mtrain.model import Transformer, attend, key_mask, sinusoids
 
 ROOT = Path(__file__).resolve().parents[1]
 PAD = 0

@@ -51,9 +51,9 @@ LINE = st.one_of(
 
 @pytest.fixture(scope="module")
 def tokenizer(tokenized_slice):
-    from mtrain.data import load_tokenizer
+    from mtrain.data import TokenizedData
 
-    return load_tokenizer(tokenized_slice)
+    return TokenizedData(tokenized_slice).tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def model(tokenizer):
 
     torch.manual_seed(0)
     cfg = ModelConfig(d_model=16, d_ff=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1,
-                      vocab_size=tokenizer.tgt_vocab_size, max_len=24)
+                      vocab_size=tokenizer.tgt.vocab_size, max_len=24)
     return Transformer(cfg).eval()
 
 
@@ -115,10 +115,10 @@ def test_translate_file_writes_one_line_per_input_line(checkpoint, tmp_path_fact
 @settings(max_examples=60, deadline=None)
 @given(lengths=st.lists(st.integers(0, 80), max_size=200), max_tokens=st.integers(1, 300))
 def test_decode_batches_keep_the_budget_and_every_line_once(lengths, max_tokens):
-    """translate.make_batches: a batch over budget only when it is one sentence too long alone."""
-    from mtrain.translate import make_batches
+    """translate.decode_batches: a batch over budget only when it is one sentence too long alone."""
+    from mtrain.translate import decode_batches
 
-    batches = make_batches(lengths, max_tokens)
+    batches = decode_batches(lengths, max_tokens)
     assert sorted(i for batch in batches for i in batch) == list(range(len(lengths)))
     for batch in batches:
         assert len(batch) == 1 or len(batch) * (max(lengths[i] for i in batch) + 1) <= max_tokens
@@ -151,7 +151,7 @@ class FakeSplit:
 def test_training_stream_covers_each_sentence_once_per_epoch_and_resumes_exactly(lengths, max_tokens, takes, cut):
     """The trainer's BatchStream: the batches of epoch e hold every sentence exactly once, and a
     stream rebuilt from a saved (epoch, index) continues with exactly the same batches."""
-    from mtrain.train import BatchStream
+    from mtrain.data import BatchStream
 
     split = FakeSplit(lengths, lengths[::-1])
     stream = BatchStream(split, max_tokens, seed=1)
@@ -180,8 +180,8 @@ SCRIPTS = st.lists(st.one_of(NON_LATIN, WHITESPACE, WORDS, ANY_TEXT), max_size=8
 def test_tokenizer_round_trips_any_text_on_both_sides_in_batches(tokenizer, lines):
     """decode(encode(x)) == normalize(x) for mixed scripts, controls, emoji and long lines, on the
     source side too, and batch encoding equals line-by-line encoding (same count, same ids)."""
-    for encode, decode, normalize in ((tokenizer.encode_src, tokenizer.decode_src, tokenizer.normalize_src),
-                                      (tokenizer.encode_tgt, tokenizer.decode_tgt, tokenizer.normalize_tgt)):
+    for encode, decode, normalize in ((tokenizer.src.encode, tokenizer.src.decode, tokenizer.src.normalize),
+                                      (tokenizer.tgt.encode, tokenizer.tgt.decode, tokenizer.tgt.normalize)):
         ids = encode(lines)
         assert len(ids) == len(lines)
         assert ids == [encode([line])[0] for line in lines]

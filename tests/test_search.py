@@ -8,10 +8,17 @@ import math
 import pytest
 import torch
 
+from mtrain.cache import KVCache
 from mtrain.config import ModelConfig
-from mtrain.model import KVCache, Transformer
-from mtrain.search import (beam_search, greedy_search, length_penalty, logsumexp_, next_token_topk, topk_rows,
-                           topk_step)
+from mtrain.kernels import logsumexp_, topk_rows
+from mtrain.model import Transformer
+from mtrain.search import (
+    beam_search,
+    greedy_search,
+    length_penalty,
+    next_token_topk,
+    topk_step,
+)
 from mtrain.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 A, B_, C, D = 4, 5, 6, 7  # word ids of the scripted model
@@ -20,7 +27,7 @@ VOCAB = 8
 
 class ScriptedCache:
     """The prefix generated so far per row; reorder is an index_select, as in the real cache.
-    With group G, target row r belongs to source row r // G (as in mtrain.model.KVCache)."""
+    With group G, target row r belongs to source row r // G (as in mtrain.cache.BeamCache)."""
 
     def __init__(self, group: int) -> None:
         self.prefix: torch.Tensor | None = None

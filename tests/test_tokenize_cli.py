@@ -9,7 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from mtrain.cli import app
-from mtrain.data import load_split, load_stats, load_tokenizer, read_lines
+from mtrain.corpus import read_lines
+from mtrain.data import TokenizedData
 
 runner = CliRunner()
 SPLITS = ("train", "valid", "test2016")
@@ -64,13 +65,13 @@ def test_tokenize_writes_the_contract_files_and_cleans_train(multi30k_slice, tmp
             expected |= {f"{split}.{side}.ids.npy", f"{split}.{side}.offsets.npy", f"{split}.{side}.txt"}
     assert expected <= {p.name for p in out.iterdir()}
 
-    stats = load_stats(out)
+    stats = TokenizedData(out).stats
     assert stats["cleaning"]["dropped"] == {"empty_side": 1, "too_long": 1, "length_ratio": 1, "duplicate": 1}
     assert [stats["splits"][s]["lines"] for s in SPLITS] == [2000, 100, 100]
-    assert load_split(out, "train").src_text() == read_lines(multi30k_slice / "train.de")
-    tok = load_tokenizer(out)
-    valid = load_split(out, "valid")
-    assert tok.decode_tgt([valid.tgt[i] for i in range(len(valid))]) == tok.normalize_tgt(valid.tgt_text())
+    assert TokenizedData(out).split("train").src_text() == read_lines(multi30k_slice / "train.de")
+    tok = TokenizedData(out).tokenizer
+    valid = TokenizedData(out).split("valid")
+    assert tok.tgt.decode([valid.tgt[i] for i in range(len(valid))]) == tok.tgt.normalize(valid.tgt_text())
 
 
 def test_tokenize_separate_bpe(multi30k_dir, tmp_path):
@@ -90,8 +91,8 @@ def test_tokenize_separate_bpe(multi30k_dir, tmp_path):
     meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))
     assert meta["joint"] is False and meta["splits"] == ["train", "valid"] and meta["tokenizer"]["model_type"] == "bpe"
     assert (out / "spm.src.model").is_file() and (out / "spm.tgt.model").is_file()
-    tok = load_tokenizer(out)
-    assert not tok.joint and tok.src_vocab_size == tok.tgt_vocab_size == 500
+    tok = TokenizedData(out).tokenizer
+    assert not tok.joint and tok.src.vocab_size == tok.tgt.vocab_size == 500
 
 
 def test_missing_file(corpus, tmp_path):

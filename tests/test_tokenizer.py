@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mtrain.config import TokenizerConfig
-from mtrain.data import load_split, load_tokenizer, read_lines
+from mtrain.corpus import read_lines
+from mtrain.data import TokenizedData
 from mtrain.errors import MtrainError
 from mtrain.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 
@@ -33,21 +34,21 @@ def small_lines(multi30k_dir):
 
 @pytest.fixture(scope="module")
 def tok(tokenized_slice) -> Tokenizer:
-    return load_tokenizer(tokenized_slice)
+    return TokenizedData(tokenized_slice).tokenizer
 
 
 def test_special_ids_are_fixed(tok):
     assert (PAD_ID, UNK_ID, BOS_ID, EOS_ID) == (0, 1, 2, 3)
-    assert tok.joint and tok.src_vocab_size == tok.tgt_vocab_size == 1000
-    ids = tok.encode_tgt(["A dog runs."])[0]
+    assert tok.joint and tok.src.vocab_size == tok.tgt.vocab_size == 1000
+    ids = tok.tgt.encode(["A dog runs."])[0]
     assert all(i > EOS_ID for i in ids)  # encoding adds no BOS/EOS and never needs UNK
-    assert tok.decode_tgt([[BOS_ID, *ids, EOS_ID, PAD_ID, PAD_ID]]) == tok.decode_tgt([ids])
+    assert tok.tgt.decode([[BOS_ID, *ids, EOS_ID, PAD_ID, PAD_ID]]) == tok.tgt.decode([ids])
 
 
 def test_round_trip_real_multi30k_lines(tok, multi30k_slice):
     for side, encode, decode, normalize in (
-        ("de", tok.encode_src, tok.decode_src, tok.normalize_src),
-        ("en", tok.encode_tgt, tok.decode_tgt, tok.normalize_tgt),
+        ("de", tok.src.encode, tok.src.decode, tok.src.normalize),
+        ("en", tok.tgt.encode, tok.tgt.decode, tok.tgt.normalize),
     ):
         lines = read_lines(multi30k_slice / f"valid.{side}")  # not seen while training
         assert decode(encode(lines)) == normalize(lines)
@@ -56,8 +57,8 @@ def test_round_trip_real_multi30k_lines(tok, multi30k_slice):
 
 
 def test_round_trip_odd_unicode(tok):
-    decoded = tok.decode_tgt(tok.encode_tgt(ODD_UNICODE))
-    assert decoded == tok.normalize_tgt(ODD_UNICODE)
+    decoded = tok.tgt.decode(tok.tgt.encode(ODD_UNICODE))
+    assert decoded == tok.tgt.normalize(ODD_UNICODE)
     assert "😀👩‍👩‍👧" in decoded[1] and "שלום" in decoded[1]  # kept, not turned into ⁇
     assert decoded[2] == "leading, trailing and inner whitespace"
     assert "\u2028" not in decoded[4] and "\u0085" in decoded[4]  # U+2028 is whitespace to NFKC, U+0085 is not
@@ -66,12 +67,12 @@ def test_round_trip_odd_unicode(tok):
 @settings(max_examples=200, deadline=None)
 @given(text=st.text(max_size=40))
 def test_round_trip_any_text(tok, text):
-    assert tok.decode_tgt(tok.encode_tgt([text])) == tok.normalize_tgt([text])
+    assert tok.tgt.decode(tok.tgt.encode([text])) == tok.tgt.normalize([text])
 
 
 def test_cached_ids_match_encoding_of_cached_text(tok, tokenized_slice):
-    split = load_split(tokenized_slice, "valid")
-    expected = tok.encode_src(split.src_text())
+    split = TokenizedData(tokenized_slice).split("valid")
+    expected = tok.src.encode(split.src_text())
     assert [list(split.src[i]) for i in range(len(split))] == expected
 
 
@@ -81,22 +82,22 @@ def test_state_survives_torch_weights_only(tok):
     buffer.seek(0)
     restored = Tokenizer.from_state(torch.load(buffer, weights_only=True)["tokenizer"])
     lines = ["Zwei Männer stehen am Herd.", "A man in an orange hat."]
-    assert restored.joint and restored.encode_src(lines) == tok.encode_src(lines)
-    assert restored.decode_tgt(restored.encode_tgt(lines)) == tok.decode_tgt(tok.encode_tgt(lines))
+    assert restored.joint and restored.src.encode(lines) == tok.src.encode(lines)
+    assert restored.tgt.decode(restored.tgt.encode(lines)) == tok.tgt.decode(tok.tgt.encode(lines))
 
 
 def test_separate_vocabularies(small_lines, tmp_path):
     de, en = small_lines
     cfg = TokenizerConfig(vocab_size=500, joint=False, model_type="bpe")
     tok = Tokenizer.train(de, en, cfg, tmp_path)
-    assert not tok.joint and tok.src_vocab_size == tok.tgt_vocab_size == 500
+    assert not tok.joint and tok.src.vocab_size == tok.tgt.vocab_size == 500
     assert (tmp_path / "spm.src.model").is_file() and (tmp_path / "spm.tgt.model").is_file()
     assert not (tmp_path / "spm.model").exists()
     loaded = Tokenizer.load(tmp_path)
     assert not loaded.joint
-    assert loaded.decode_src(loaded.encode_src(de[:20])) == loaded.normalize_src(de[:20])
+    assert loaded.src.decode(loaded.src.encode(de[:20])) == loaded.src.normalize(de[:20])
     again = Tokenizer.from_state(tok.to_state())
-    assert again.encode_tgt(en[:20]) == tok.encode_tgt(en[:20])
+    assert again.tgt.encode(en[:20]) == tok.tgt.encode(en[:20])
     state = tok.to_state()
     assert state["src_model"] != state["tgt_model"]  # one model per language, not a copy
 

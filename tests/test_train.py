@@ -24,7 +24,7 @@ WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".spl
 @pytest.fixture(scope="session")
 def copy_data(tmp_path_factory) -> Path:
     """A copy task (target = source) over 12 words, tokenized like any corpus."""
-    from mtrain.data import tokenize_corpus
+    from mtrain.prepare import tokenize_corpus
 
     raw = tmp_path_factory.mktemp("copy-raw")
     rng = random.Random(0)
@@ -51,12 +51,13 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
 
 def test_accumulation_equals_one_big_batch(copy_data):
     """Two micro-batches normalised by the update's tokens give the gradient of one batch of both."""
-    from mtrain import data
+    from mtrain.data import TokenizedData, collate, target_tokens
+    from mtrain.loss import Objective, forward_backward
     from mtrain.model import Transformer
-    from mtrain.train import Objective, forward_backward, model_config_for_data, target_tokens
+    from mtrain.train import model_config_for_data
 
-    cfg = model_config_for_data(load_config(None, TINY + ["model.dropout=0"]), data.load_tokenizer(copy_data))
-    split = data.load_split(copy_data, "train")
+    cfg = model_config_for_data(load_config(None, TINY + ["model.dropout=0"]), TokenizedData(copy_data).tokenizer)
+    split = TokenizedData(copy_data).split("train")
     torch.manual_seed(0)
     objective = Objective(Transformer(cfg.model), label_smoothing=0.1)
     a, b = np.arange(0, 5), np.arange(5, 12)
@@ -64,7 +65,7 @@ def test_accumulation_equals_one_big_batch(copy_data):
 
     def grads(batches):
         objective.zero_grad()
-        loss, _ = forward_backward(objective, [data.collate(split, x) for x in batches], total)
+        loss, _ = forward_backward(objective, [collate(split, x) for x in batches], total)
         return loss, [p.grad.clone() for p in objective.parameters()]
 
     loss_two, two = grads([a, b])
@@ -98,7 +99,7 @@ def test_cooldown_longer_than_the_run_is_refused():
 @pytest.mark.parametrize("extra", [[], ["train.sampling_alpha=0.3", "train.update_freq=5", "train.cooldown_steps=8",
                                     "train.rdrop_alpha=5"]],
                          ids=["cached-ids", "subword-sampling-cooldown-rdrop"])
-def test_exact_resume_is_bit_identical(copy_data, tmp_path, monkeypatch, extra):
+def test_exact_resume_is_bit_identical(copy_data, tmp_path, stop_at_step, extra):
     """Stop at a save point (as SIGINT would), re-run the same command: every weight and every
     Adam moment equals an uninterrupted run's, though validation ran in between. With subword
     sampling (12-13 batches an epoch here), 5 batches per update run through 5 epochs, some
@@ -107,10 +108,10 @@ def test_exact_resume_is_bit_identical(copy_data, tmp_path, monkeypatch, extra):
     which the resumed run must continue from the step alone."""
     args = ["train.max_steps=12", "train.save_every=3", "train.eval_every=4", "train.eval_max_sentences=2", *extra]
     full = run(copy_data, tmp_path / "full", *args)
-    monkeypatch.setenv("MTRAIN_STOP_AT_STEP", "6")
+    stop_at_step(6)
     stopped = run(copy_data, tmp_path / "split", *args)
     assert stopped["stopped"] == "interrupted" and stopped["step"] == 6
-    monkeypatch.delenv("MTRAIN_STOP_AT_STEP")
+    stop_at_step(None)
     resumed = run(copy_data, tmp_path / "split", *args)
     assert resumed["step"] == full["step"] == 12
     a, b = checkpoint.load(tmp_path / "full" / "last.pt"), checkpoint.load(tmp_path / "split" / "last.pt")
@@ -181,15 +182,15 @@ def test_failed_checkpoint_write_keeps_previous_files(copy_data, tmp_path, monke
     assert not list(tmp_path.glob(".*.tmp"))  # no temp file left behind
 
 
-def test_nonfinite_loss_is_skipped_and_counted(copy_data, tmp_path, monkeypatch):
-    monkeypatch.setenv("MTRAIN_INJECT_NAN", "3")
+def test_nonfinite_loss_is_skipped_and_counted(copy_data, tmp_path, nan_losses):
+    nan_losses({3})
     result = run(copy_data, tmp_path, "train.max_steps=5", "train.eval_every=5")
     assert (result["step"], result["nonfinite"]) == (5, 1)
     assert all(torch.isfinite(w).all() for w in weights(tmp_path / "last.pt").values())
 
 
-def test_too_many_nonfinite_losses_stop_naming_the_step(copy_data, tmp_path, monkeypatch):
-    monkeypatch.setenv("MTRAIN_INJECT_NAN", "3-100")
+def test_too_many_nonfinite_losses_stop_naming_the_step(copy_data, tmp_path, nan_losses):
+    nan_losses(range(3, 101))
     with pytest.raises(MtrainError, match=r"^step 3: 4 non-finite losses in a row"):
         run(copy_data, tmp_path, "train.max_steps=10", "train.max_nonfinite=4")
 

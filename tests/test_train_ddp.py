@@ -10,9 +10,9 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+from test_train import TINY, copy_data  # noqa: F401  (tests/ is on sys.path under pytest; copy_data is a fixture)
 
 from mtrain.config import load_config
-from test_train import TINY, copy_data  # noqa: F401  (tests/ is on sys.path under pytest; copy_data is a fixture)
 
 ARGS = TINY + ["model.dropout=0", "train.max_steps=4", "train.log_every=1", "train.eval_every=100",
                "train.save_every=100", "train.eval_max_sentences=2"]

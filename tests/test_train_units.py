@@ -9,7 +9,12 @@ import torch.nn.functional as F
 
 from mtrain.loss import label_smoothed_loss, symmetric_kl
 from mtrain.plot import MetricsLog, plot_metrics, read_metrics
-from mtrain.schedule import cooldown_factor, cooldown_patience_note, inverse_sqrt_lr, lr_at
+from mtrain.schedule import (
+    cooldown_factor,
+    cooldown_patience_note,
+    inverse_sqrt_lr,
+    lr_at,
+)
 
 
 def test_lr_schedule_hand_computed_paper_values():
@@ -127,18 +132,18 @@ def test_label_smoothing_refuses_a_second_backward():
 def test_bf16_on_a_cpu_without_native_bfloat16_trains_in_float32(monkeypatch):
     """Emulated bf16 matmuls ran ~50x slower than float32 on an AVX2-only CPU (a 35 s step instead of
     1.3 s): train.amp=bf16 there must fall back to float32 and say so; with AMX it stays bf16."""
-    from mtrain import train
+    from mtrain import hardware
 
     cpu = torch.device("cpu")
-    monkeypatch.setattr(train, "cpu_has_native_bf16", lambda: False)
-    assert train.resolve_amp("bf16", cpu) is None
-    note = train.amp_note("bf16", None, cpu)
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: False)
+    assert hardware.resolve_amp("bf16", cpu) is None
+    note = hardware.amp_note("bf16", None, cpu)
     assert "float32" in note and "no native bfloat16" in note and "\n" not in note
-    monkeypatch.setattr(train, "cpu_has_native_bf16", lambda: True)
-    assert train.resolve_amp("bf16", cpu) is torch.bfloat16
-    assert train.amp_note("bf16", torch.bfloat16, cpu) == "precision: bfloat16 autocast (train.amp=bf16, cpu)"
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: True)
+    assert hardware.resolve_amp("bf16", cpu) is torch.bfloat16
+    assert hardware.amp_note("bf16", torch.bfloat16, cpu) == "precision: bfloat16 autocast (train.amp=bf16, cpu)"
     for amp in ("auto", "off"):  # auto stays float32 on CPU whatever the CPU
-        assert train.resolve_amp(amp, cpu) is None
+        assert hardware.resolve_amp(amp, cpu) is None
 
 
 @pytest.mark.parametrize("amx,avx512_bf16,native", [(False, False, False), (True, False, True),
@@ -202,7 +207,7 @@ def _objective_batch(dropout: float):
 def test_rdrop_without_dropout_equals_the_plain_loss_and_gradient():
     """With no dropout the two copies agree, the KL term is 0 and the mean of two equal losses is
     the plain loss: R-Drop changes nothing but the regulariser."""
-    from mtrain.train import Objective
+    from mtrain.loss import Objective
 
     model, batch = _objective_batch(dropout=0.0)
     model.train()
@@ -222,7 +227,7 @@ def test_rdrop_adds_alpha_times_a_positive_kl_and_is_off_in_eval():
     """Under dropout the two copies draw independent masks, so KL > 0; from the same RNG state the
     loss grows linearly in alpha (the masks do not depend on it), by alpha/2 times the KL. In eval
     mode (validation loss) R-Drop is off."""
-    from mtrain.train import Objective
+    from mtrain.loss import Objective
 
     model, batch = _objective_batch(dropout=0.3)
     model.train()

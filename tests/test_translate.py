@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from mtrain.cli import app
 from mtrain.config import DecodeConfig
 from mtrain.tokenizer import EOS_ID
-from mtrain.translate import make_batches, translate_lines
+from mtrain.translate import decode_batches, translate_lines
 
 REAL = [
     "Ein Mann fährt Fahrrad.",
@@ -60,14 +60,14 @@ class CopyModel:
 
 @pytest.fixture(scope="module")
 def tokenizer(tokenized_slice):
-    from mtrain.data import load_tokenizer
+    from mtrain.data import TokenizedData
 
-    return load_tokenizer(tokenized_slice)
+    return TokenizedData(tokenized_slice).tokenizer
 
 
-def test_make_batches_respects_the_budget_and_covers_every_line():
+def test_decode_batches_respect_the_budget_and_cover_every_line():
     lengths = [5, 1, 9, 3, 3, 7, 2, 20, 4]
-    batches = make_batches(lengths, max_tokens=16)
+    batches = decode_batches(lengths, max_tokens=16)
     assert sorted(i for batch in batches for i in batch) == list(range(len(lengths)))
     for batch in batches:
         longest = max(lengths[i] for i in batch)
@@ -80,29 +80,29 @@ def test_make_batches_respects_the_budget_and_covers_every_line():
 def test_order_restored_and_empty_and_overlong_lines(tokenizer, beam, capsys):
     long_line = " ".join(["Hund"] * 300)
     lines = [REAL[0], "", REAL[1], "   \t", long_line, REAL[2], long_line + " Katze", REAL[3], ""]
-    model = CopyModel(tokenizer.tgt_vocab_size, max_len=64)
+    model = CopyModel(tokenizer.tgt.vocab_size, max_len=64)
     decode = DecodeConfig(beam=beam, max_len_a=1.0, max_len_b=5, max_tokens=40)  # several batches
     out = translate_lines(model, tokenizer, lines, decode, "cpu")
     assert len(out) == len(lines)
-    expected = tokenizer.normalize_src(lines)
+    expected = tokenizer.src.normalize(lines)
     for i in (0, 2, 5, 7):  # real lines come back as themselves, each at its own index
         assert out[i] == expected[i]
     assert out[1] == out[3] == out[8] == ""
-    cut = tokenizer.decode_src([tokenizer.encode_src([long_line])[0][:63]])[0]
+    cut = tokenizer.src.decode([tokenizer.src.encode([long_line])[0][:63]])[0]
     assert out[4] == out[6] == cut  # cut to max_len - 1 tokens (room for EOS)
     warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert len(warnings) == 1 and "2 input line" in warnings[0]
 
 
 def test_max_len_cuts_the_copy(tokenizer):
-    model = CopyModel(tokenizer.tgt_vocab_size)
+    model = CopyModel(tokenizer.tgt.vocab_size)
     [out] = translate_lines(model, tokenizer, [REAL[1]], DecodeConfig(beam=2, max_len_a=0.0, max_len_b=3), "cpu")
-    assert out == tokenizer.decode_tgt([tokenizer.encode_src([REAL[1]])[0][:3]])[0]
+    assert out == tokenizer.tgt.decode([tokenizer.src.encode([REAL[1]])[0][:3]])[0]
 
 
 def test_translations_never_add_lines(tokenizer):
     """A model may emit a newline byte piece; the output line must stay one line."""
-    pieces = tokenizer.decode_tgt([[i] for i in range(tokenizer.tgt_vocab_size)])
+    pieces = tokenizer.tgt.decode([[i] for i in range(tokenizer.tgt.vocab_size)])
     newline = pieces.index("\n")  # the byte-fallback piece <0x0A>
 
     class NewlineModel(CopyModel):
@@ -112,7 +112,7 @@ def test_translations_never_add_lines(tokenizer):
             cache.length += 1
             return logits
 
-    out = translate_lines(NewlineModel(tokenizer.tgt_vocab_size), tokenizer, ["a", "b"], DecodeConfig(beam=1), "cpu")
+    out = translate_lines(NewlineModel(tokenizer.tgt.vocab_size), tokenizer, ["a", "b"], DecodeConfig(beam=1), "cpu")
     assert len(out) == 2 and all("\n" not in line for line in out)
 
 
@@ -122,16 +122,16 @@ def test_translations_never_add_lines(tokenizer):
 def checkpoint(tokenizer, tokenized_slice, tmp_path_factory):
     from mtrain.checkpoint import make, save_atomic
     from mtrain.config import Config, ModelConfig, to_dict
-    from mtrain.data import load_stats
+    from mtrain.data import TokenizedData
     from mtrain.model import Transformer
 
     cfg = ModelConfig(d_model=32, d_ff=64, n_heads=2, n_encoder_layers=1, n_decoder_layers=1,
-                      vocab_size=tokenizer.tgt_vocab_size, max_len=48)
+                      vocab_size=tokenizer.tgt.vocab_size, max_len=48)
     torch.manual_seed(0)
     model = Transformer(cfg)
     path = tmp_path_factory.mktemp("run") / "best.pt"
     save_atomic(make(to_dict(Config(model=cfg)), model.state_dict(), tokenizer.to_state(),
-                     load_stats(tokenized_slice), 0), path)
+                     TokenizedData(tokenized_slice).stats, 0), path)
     return path
 
 

@@ -1,0 +1,73 @@
+"""CPU stand-ins for torch ops that cost more than they should on a CPU: a dropout mask from 15
+random bits per element, a chunked top-k and an in-place logsumexp. Each gives what the torch op
+would (the dropout mask in distribution) and falls back to it where torch is fast already."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+NEG_INF = float("-inf")
+
+
+class Dropout(nn.Dropout):
+    """nn.Dropout, with a cheaper mask for float32 and bfloat16 on CPU, where bernoulli_ (one random
+    float per element) costs more than the matmul before it (in bfloat16, 5x more): see
+    cpu_dropout_keep. About 8% of a float32 training step on a 2-core CPU. GPUs, other dtypes and
+    torch.compile use F.dropout (already fused there)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if (not self.training or self.p == 0.0 or x.device.type != "cpu"
+                or x.dtype not in (torch.float32, torch.bfloat16) or torch.compiler.is_compiling()):
+            return super().forward(x)
+        keep, scale = cpu_dropout_keep(x, self.p)
+        if x.dtype == torch.float32:
+            return x * keep.to(x.dtype).mul_(scale)  # a float mask multiplies faster than a bool one
+        # bfloat16 has no exact 1 / (1 - p) (1/0.9 -> 1.109, a 0.2% bias): scale each element in
+        # float32 and round it, so the error is each element's own rounding, not one shared bias.
+        return x.mul(scale).mul_(keep)
+
+
+def cpu_dropout_keep(x: Tensor, p: float) -> tuple[Tensor, float]:
+    """A bool mask shaped like x, False with probability p' = p rounded to a multiple of 2^-15
+    (0.1 -> 0.100006), and the scale 1 / (1 - p') that makes E[keep * scale] = 1 exactly. One
+    64-bit draw (63 random bits) gives four 15-bit uniforms."""
+    threshold = round(p * 32768)
+    n = x.numel()
+    bits = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device).random_()  # uniform on [0, 2^63)
+    keep = (bits.view(torch.int16)[:n] & 0x7FFF) >= threshold  # the low 15 bits of each 16
+    return keep.view(x.shape), 32768 / (32768 - threshold)
+
+
+def logsumexp_(x: Tensor, peak: Tensor) -> Tensor:
+    """(N, V) -> (N, 1) log sum exp of each row, computed in place in x (which is overwritten).
+    peak (N, 1) = the row maxima: subtracted first, so exp cannot overflow."""
+    peak = peak.masked_fill(~peak.isfinite(), 0.0)  # a row of -inf: log 0 = -inf, not NaN
+    return x.sub_(peak).exp_().sum(dim=1, keepdim=True).log_().add_(peak)
+
+
+def topk_rows(x: Tensor, k: int, chunk: int = 64) -> tuple[Tensor, Tensor]:
+    """x.topk(k, dim=1) of (N, V) x, in two short passes, ~2.5x faster on a CPU for a large V.
+
+    The k largest values lie in the k chunks (of `chunk` columns) with the largest maxima: a chunk
+    holding one of them has a maximum at least as large as the k-th largest value, and any k
+    chunks with larger maxima would already supply k values that large. So the chunk maxima (one
+    vectorised reduction) pick k * chunk candidate columns, and topk runs over those only. Ties
+    may pick other columns of equal value, as topk's order among ties is unspecified anyway."""
+    V = x.size(1)
+    n = V // chunk
+    if x.device.type != "cpu" or n < 4 * k:  # GPU topk is fast already; small V gains nothing
+        return x.topk(k, dim=1)
+    maxima = x[:, : n * chunk].unflatten(1, (n, chunk)).amax(dim=2)
+    ragged = V > n * chunk  # a last, shorter chunk
+    if ragged:
+        maxima = torch.cat([maxima, x[:, n * chunk :].amax(dim=1, keepdim=True)], dim=1)
+    best = maxima.topk(k, dim=1, sorted=False).indices
+    cols = (best.unsqueeze(-1) * chunk + torch.arange(chunk, device=x.device)).flatten(1)  # (N, k * chunk)
+    if ragged:
+        beyond = cols >= V
+        candidates = x.gather(1, cols.clamp_(max=V - 1)).masked_fill_(beyond, NEG_INF)
+    else:
+        candidates = x.gather(1, cols)
+    values, pick = candidates.topk(k, dim=1)
+    return values, cols.gather(1, pick)
