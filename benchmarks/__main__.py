@@ -102,11 +102,11 @@ def environment() -> dict[str, Any]:
 
 
 def save(record: dict[str, Any], folder: Path = RESULTS) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
+    from mtrain.atomic import atomic_write
+
     path = folder / f"{record['name']}.json"
-    tmp = folder / f"{record['name']}.json.tmp"
-    tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    with atomic_write(path) as handle:
+        handle.write(json.dumps(record, indent=2) + "\n")
     return path
 
 

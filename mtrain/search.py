@@ -9,7 +9,7 @@ len counts every scored token, EOS included: n tokens + EOS have len = n + 1.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -18,6 +18,7 @@ from mtrain.kernels import NEG_INF, logsumexp_, topk_rows
 from mtrain.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
+@runtime_checkable
 class DecoderCache(Protocol):
     """What the searches do with a decoding cache (mtrain.cache.KVCache is the model's)."""
 
@@ -28,6 +29,7 @@ class DecoderCache(Protocol):
         """Target row i becomes old row index[i]; cross=False: sources stay as they are."""
 
 
+@runtime_checkable
 class Decoder(Protocol):
     """What greedy and beam search need of a model. mtrain.model.Transformer, mtrain.ensemble.Ensemble
     and the scripted models of the tests all have it.

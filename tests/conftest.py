@@ -49,7 +49,7 @@ def multi30k_slice(multi30k_dir, tmp_path_factory) -> Path:
 def tokenized_slice(multi30k_slice, tmp_path_factory) -> Path:
     """`mtrain tokenize` output for multi30k_slice (joint unigram, vocab 1000): spm.model, ids, stats.
 
-    Load it with mtrain.TokenizedData(path).split("train" | "valid" | "test2016") / TokenizedData(path).tokenizer.
+    Open it with mtrain.data.TokenizedData(path): .split("train" | "valid" | "test2016"), .tokenizer, .stats.
     """
     from mtrain.config import load_config
     from mtrain.prepare import tokenize_corpus

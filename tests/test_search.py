@@ -295,7 +295,7 @@ class Ungrouped:
     as a reference for the per-sentence K/V that beam search normally gets."""
 
     def __init__(self, model: Transformer) -> None:
-        self.model = model
+        self.model, self.cfg = model, model.cfg
 
     def encode(self, src):
         return self.model.encode(src)
@@ -357,3 +357,16 @@ def test_nbest_must_not_exceed_beam(model):
     src, max_len = random_batch(0)
     with pytest.raises(ValueError):
         beam_search(model, src, beam=2, lenpen=0.6, max_len=max_len, nbest=3)
+
+
+def test_every_decoder_states_the_search_interface():
+    """The models and caches the searches run on all have the Decoder / DecoderCache members
+    (mtrain.search's protocols): the model, an ensemble, and this file's scripted stand-ins."""
+    from mtrain.ensemble import Ensemble
+    from mtrain.search import Decoder, DecoderCache
+
+    model = random_model(1)
+    decoders = [model, Ensemble([model, random_model(2)]), Ungrouped(model)]
+    assert all(isinstance(decoder, Decoder) for decoder in decoders)
+    caches = [decoder.new_cache() for decoder in decoders] + [model.new_cache(group=3)]
+    assert all(isinstance(cache, DecoderCache) for cache in caches)
