@@ -191,6 +191,7 @@ def read_corpus(
         raise MtrainError(f"{data_dir}: folder not found; pass --data with the folder holding the corpus files")
     return {split: read_split(data_dir, split, src, tgt) for split in splits}, str(data_dir)
 
+
 # ----------------------------------------------------------------------------------------------
 # Cleaning (training split only)
 # ----------------------------------------------------------------------------------------------

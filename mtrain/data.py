@@ -23,6 +23,9 @@ FORMAT_VERSION = 1
 SIDES = ("src", "tgt")
 
 
+# ----------------------------------------------------------------------------------------------
+# The cache read back
+# ----------------------------------------------------------------------------------------------
 def to_ragged_arrays(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Concatenated int32 ids and int64 offsets (n + 1 of them): sentence i is ids[off[i]:off[i+1]]."""
     lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
@@ -30,6 +33,7 @@ def to_ragged_arrays(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     np.cumsum(lengths, out=offsets[1:])
     ids = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int32, count=int(offsets[-1]))
     return ids, offsets
+
 
 class Ragged:
     """Variable-length id sequences stored as one flat array + offsets (memory-mapped by default)."""
@@ -63,6 +67,7 @@ class Split:
 
     def tgt_text(self) -> list[str]:
         return read_lines(self.data_dir / f"{self.name}.tgt.txt")
+
 
 class TokenizedData:
     """A folder written by `mtrain tokenize`, opened once. meta.json is read and checked here;
@@ -135,6 +140,8 @@ class TokenizedData:
 # ----------------------------------------------------------------------------------------------
 # Subword sampling
 # ----------------------------------------------------------------------------------------------
+
+
 class SubwordSampler:
     """The training split re-segmented for each epoch by SentencePiece sampling (train.sampling_alpha).
 
@@ -166,6 +173,8 @@ class SubwordSampler:
 # ----------------------------------------------------------------------------------------------
 # Batching
 # ----------------------------------------------------------------------------------------------
+
+
 def make_batches(
     src_lengths: np.ndarray,
     tgt_lengths: np.ndarray,
@@ -212,6 +221,7 @@ def make_batches(
         batches = [batches[i] for i in rng.permutation(len(batches))]
     return batches
 
+
 def _gather(ragged: Ragged, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The concatenated ids of the chosen sentences and their lengths, in one fancy-index read
     (slicing a memory map sentence by sentence is ~100x slower)."""
@@ -251,6 +261,8 @@ def collate(split: Split, indices: Sequence[int], device: Any = None) -> tuple[t
 # ----------------------------------------------------------------------------------------------
 # The training stream
 # ----------------------------------------------------------------------------------------------
+
+
 def target_tokens(tgt_lengths: np.ndarray, batches: list[np.ndarray]) -> int:
     """Loss-bearing target tokens of some batches: each sentence's pieces plus its EOS."""
     return int(sum(int(tgt_lengths[b].sum()) + len(b) for b in batches))
@@ -264,7 +276,7 @@ def stream_target_tokens(batches: list["Batch"]) -> int:
 class Batch(NamedTuple):
     """A training batch: sentence indices into the split of the epoch it was drawn from."""
 
-    split: Any
+    split: Split
     indices: np.ndarray
 
 
@@ -273,17 +285,17 @@ class BatchStream:
     (seed, e)), then epoch e+1's. (epoch, index) is the whole position, so resume is exact.
     With a sampler (subword sampling), epoch e's batches index the split sampler(e) returns."""
 
-    def __init__(self, split: Any, max_tokens: int, seed: int, epoch: int = 1, index: int = 0,
-                 sampler: Callable[[int], Any] | None = None) -> None:
+    def __init__(self, split: Split, max_tokens: int, seed: int, epoch: int = 1, index: int = 0,
+                 sampler: Callable[[int], Split] | None = None) -> None:
         self.split, self.max_tokens, self.seed, self.sampler = split, max_tokens, seed, sampler
         self.epoch, self.index = epoch, index
-        self._cached: tuple[int, Any, list[np.ndarray]] | None = None
+        self._cached: tuple[int, Split, list[np.ndarray]] | None = None
 
-    def _load(self, epoch: int) -> tuple[Any, list[np.ndarray]]:
+    def _load(self, epoch: int) -> tuple[Split, list[np.ndarray]]:
         if self._cached is None or self._cached[0] != epoch:
             split = self.split if self.sampler is None else self.sampler(epoch)
             batches = make_batches(split.src.lengths, split.tgt.lengths, self.max_tokens,
-                                        seed=self.seed, epoch=epoch, shuffle=True)
+                                   seed=self.seed, epoch=epoch, shuffle=True)
             if not batches:
                 raise MtrainError("training split is empty; check the tokenized data folder (mtrain tokenize)")
             self._cached = (epoch, split, batches)
@@ -292,7 +304,7 @@ class BatchStream:
     def batches(self, epoch: int) -> list[np.ndarray]:
         return self._load(epoch)[1]
 
-    def split_of(self, epoch: int) -> Any:
+    def split_of(self, epoch: int) -> Split:
         return self._load(epoch)[0]
 
     def take(self, n: int) -> list[Batch]:

@@ -32,6 +32,7 @@ def _encode_chunked(encode, lines: list[str], bar, chunk: int = 20_000) -> list[
         bar.update(min(chunk, len(lines) - start))
     return ids
 
+
 def _mean_std(values: np.ndarray) -> dict[str, float]:
     if values.size == 0:
         return {"mean": 0.0, "std": 0.0}
