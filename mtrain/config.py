@@ -105,6 +105,9 @@ class TrainConfig:
     amp: str = "auto"  # auto | bf16 | fp16 | off (auto: bf16 on GPUs that support it, else off)
     compile: bool = False  # torch.compile the model
     num_threads: int = 0  # torch CPU threads; 0 = torch's default
+    # Where else the metrics go besides RUN/metrics.jsonl: tensorboard (RUN/tensorboard/) and/or
+    # wandb (Weights & Biases; WANDB_MODE=offline works without an account). Empty = nowhere else.
+    log_to: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,13 @@ class DecodeConfig:
     max_len_a: float = 1.2  # maximum output length = a * src_len + b
     max_len_b: int = 10
     max_tokens: int = 4096  # source tokens per decoding batch
-    nbest: int = 1
+    nbest: int = 1  # hypotheses per input (with sample: independent samples)
+    sample: bool = False  # draw each token from the model's distribution instead of searching
+    topk: int = 0  # sampling: only the k most probable tokens (0 = no limit)
+    topp: float = 1.0  # sampling: the fewest most probable tokens whose probability reaches p (nucleus)
+    temperature: float = 1.0  # sampling: divide the logits by this (< 1 sharper, > 1 flatter)
+    seed: int = 0  # sampling: the same seed gives the same samples, however inputs are batched
+    no_repeat_ngram: int = 0  # > 0: never produce an n-gram of this size twice in one output
 
 
 @dataclass(frozen=True)
@@ -151,6 +160,9 @@ def _yaml(text: str) -> Any:
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Coerce a YAML or command-line value to the declared field type (YAML reads 3e-4 as a string)."""
+    if tp == tuple[str, ...]:  # a YAML list, or comma-separated text (--set train.log_to=a,b)
+        items = value if isinstance(value, (list, tuple)) else str(value or "").split(",")
+        return tuple(str(item).strip() for item in items if str(item).strip())
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -254,6 +266,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 # outside it: a negative length, a zero interval (step % 0) or a zero warmup (division by zero)
 # would otherwise fail deep inside a run, or silently do nothing. decode.* is checked, with the
 # option names, by mtrain.translate.check_decode.
+LOG_TARGETS = ("tensorboard", "wandb")  # train.log_to values
 RANGES: dict[str, tuple[float, float | None]] = {
     **{f"model.{k}": (1, None) for k in ("d_model", "d_ff", "n_heads", "n_encoder_layers", "n_decoder_layers", "vocab_size")},
     "model.max_len": (2, None), "model.src_vocab_size": (0, None),
@@ -278,6 +291,10 @@ def check_ranges(config: Config) -> None:
             bound = f"at least {low}" if high is None else f"in [{low}, {high})"
             raise MtrainError(f"{dotted}={value!r}: must be {bound}; change it in the config file or with --set {dotted}=...")
     train = config.train
+    unknown = [target for target in train.log_to if target not in LOG_TARGETS]
+    if unknown:
+        raise MtrainError(f"train.log_to: unknown {unknown[0]!r}; use {' and/or '.join(LOG_TARGETS)}, "
+                          "e.g. --set train.log_to=tensorboard")
     if train.cooldown_steps > train.max_steps:  # the cooldown would start before update 1 and lower every lr
         raise MtrainError(f"train.cooldown_steps={train.cooldown_steps} exceeds train.max_steps={train.max_steps}: "
                           "set it to at most max_steps (e.g. a fifth to a third of the run) with --set train.cooldown_steps=...")
@@ -292,7 +309,9 @@ def replace(config: Config, **sections: dict[str, Any]) -> Config:
 
 
 def to_dict(config: Config) -> dict[str, dict[str, Any]]:
-    return dataclasses.asdict(config)
+    """Nested plain dicts; tuples become lists (YAML and checkpoints store lists)."""
+    return {name: {key: list(value) if isinstance(value, tuple) else value for key, value in section.items()}
+            for name, section in dataclasses.asdict(config).items()}
 
 
 def to_yaml(config: Config) -> str:
