@@ -149,12 +149,20 @@ def translate(
     lenpen: Optional[float] = typer.Option(None, "--lenpen", help="GNMT length penalty alpha: scores / ((5 + len) / 6)^alpha (decode.lenpen, default 0.6)."),
     max_len_a: Optional[float] = typer.Option(None, "--max-len-a", help="Max output length = a * src_len + b tokens (decode.max_len_a, default 1.2); a is raised to the training data's tgt/src length ratio (mean + 2 std) when that is larger."),
     max_len_b: Optional[int] = typer.Option(None, "--max-len-b", help="b of the max output length (decode.max_len_b, default 10)."),
-    nbest: Optional[int] = typer.Option(None, "--nbest", help="Print N index<TAB>score<TAB>translation lines per input (index from 0; N <= beam)."),
+    nbest: Optional[int] = typer.Option(None, "--nbest", help="Print N index<TAB>score<TAB>translation lines per input (index from 0; N <= beam; with --sample, N samples)."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Source tokens per batch (decode.max_tokens, default 4096)."),
+    sample: bool = typer.Option(False, "--sample", help="Sample each token from the model's distribution instead of searching (score: the sum of the tokens' log-probabilities)."),
+    topk: Optional[int] = typer.Option(None, "--topk", help="With --sample: draw from the K most probable tokens only (1 = greedy)."),
+    topp: Optional[float] = typer.Option(None, "--topp", help="With --sample: draw from the fewest most probable tokens whose probability reaches P, in (0, 1] (nucleus sampling)."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="With --sample: divide the logits by T > 0 (below 1 sharper, above 1 flatter)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="With --sample: the same seed gives the same samples, however the input is batched (default 0)."),
+    prefix: Optional[str] = typer.Option(None, "--prefix", help="A file whose line i (raw target text) starts line i's translation; an empty line means no prefix. The prefix counts toward the length limit."),
+    no_repeat_ngram: Optional[int] = typer.Option(None, "--no-repeat-ngram", help="Never produce the same N-gram of subwords twice in one translation (0 = off)."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
     overrides: Optional[List[str]] = SetOpt,
 ) -> None:
-    """Translate raw text with a trained checkpoint (greedy or beam search)."""
+    """Translate raw text with a trained checkpoint (greedy search, beam search or sampling)."""
+    check_sampling_options(sample, topk, topp, temperature, seed)
     cfg = resolve_config(
         None,
         overrides,
@@ -165,11 +173,48 @@ def translate(
             "decode.max_len_b": max_len_b,
             "decode.nbest": nbest,
             "decode.max_tokens": max_tokens,
+            "decode.sample": sample or None,
+            "decode.topk": topk,
+            "decode.topp": topp,
+            "decode.temperature": temperature,
+            "decode.seed": seed,
+            "decode.no_repeat_ngram": no_repeat_ngram,
         },
     )
     from mtrain.translate import translate_file
 
-    translate_file(list(checkpoint), input, output, cfg.decode, device=device)
+    translate_file(list(checkpoint), input, output, cfg.decode, device=device, prefix=prefix)
+
+
+def check_sampling_options(sample: bool, topk: Optional[int], topp: Optional[float], temperature: Optional[float],
+                           seed: Optional[int]) -> None:
+    given = [name for name, value in (("--topk", topk), ("--topp", topp), ("--temperature", temperature),
+                                      ("--seed", seed)) if value is not None]
+    if given and not sample:
+        raise MtrainError(f"{given[0]} applies only to sampling; add --sample (or drop {given[0]})")
+    if topk is not None and topk < 1:
+        raise MtrainError(f"--topk {topk}: must be at least 1; leave it out to draw from every token")
+
+
+@app.command()
+@friendly
+def score(
+    checkpoint: List[Path] = typer.Option(..., "--checkpoint", help="A checkpoint written by `mtrain train`; repeat it to score with an ensemble (the log of the mean of the models' probabilities)."),
+    src: str = typer.Option(..., "--src", help="Source sentences, raw text, one a line (- for stdin)."),
+    tgt: str = typer.Option(..., "--tgt", help="Their translations, raw text, one a line (an empty line scores just </s>)."),
+    output: str = typer.Option("-", "--output", "-o", help="Where the scores go; - for stdout."),
+    json_out: bool = typer.Option(False, "--json", help="One JSON object a line: {logprob, tokens, mean_logprob}."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Tokens per batch and side (decode.max_tokens, default 4096)."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
+) -> None:
+    """Score sentence pairs: log p(target | source) by teacher forcing, one line per pair
+    (total_logprob<TAB>tokens<TAB>mean_logprob, tokens counting </s>)."""
+    cfg = resolve_config(None, None, {"decode.max_tokens": max_tokens})
+    if cfg.decode.max_tokens < 1:
+        raise MtrainError(f"--max-tokens {cfg.decode.max_tokens}: must be at least 1")
+    from mtrain.score import score_file
+
+    score_file(list(checkpoint), src, tgt, output, cfg.decode.max_tokens, as_json=json_out, device=device)
 
 
 @app.command(name="eval")

@@ -1,16 +1,21 @@
-"""Greedy and beam search on token ids (no text). Both share the model's KV cache: the encoder runs
-once per batch, cross-attention K/V once per sentence, and each step feeds only the newest token.
+"""Greedy search, beam search and sampling on token ids (no text). All share the model's KV cache:
+the encoder runs once per batch, cross-attention K/V once per sentence, and each step feeds only
+the newest token. All honour the same `Constraints`: a forced prefix per sentence, a maximum
+length, and optionally no repeated n-gram.
 
 Conventions. Outputs never contain BOS or EOS. A sentence with `max_len[i] = n` gets at most n
 tokens: at step n only EOS may follow (its log-probability still counts). Beam scores are
 `sum log p(y_t) / lp(len)` with the GNMT penalty lp(len) = ((5 + len) / 6) ** alpha, where
-len counts every scored token, EOS included: n tokens + EOS have len = n + 1.
+len counts every scored token, EOS included: n tokens + EOS have len = n + 1. A forced or banned
+token does not renormalise the others: log p is always the model's own (as fairseq does it).
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence, runtime_checkable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -47,6 +52,61 @@ class Decoder(Protocol):
     def decode(self, tgt: Tensor, memory: Any, src: Tensor, cache: DecoderCache | None = None) -> Tensor: ...
 
 
+NO_BANS = (torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
+
+
+class Constraints:
+    """What each sentence may produce at step t, besides what the model prefers: its forced prefix
+    (PAD/BOS/EOS never inside it), EOS only once it reaches max_len (at least the prefix's length:
+    the prefix counts toward the limit), and with no_repeat_ngram = n no n-gram twice."""
+
+    def __init__(self, max_len: Tensor, prefixes: Sequence[Sequence[int]] | None = None,
+                 no_repeat_ngram: int = 0) -> None:
+        device = max_len.device
+        lengths = [len(p) for p in prefixes] if prefixes is not None else []
+        self.prefix_len = torch.tensor(lengths, dtype=torch.long, device=device) if lengths else None
+        self.prefix = None
+        if lengths and max(lengths) > 0:
+            table = torch.full((len(lengths), max(lengths)), PAD_ID, dtype=torch.long)
+            for row, ids in enumerate(prefixes):
+                table[row, : len(ids)] = torch.as_tensor(list(ids), dtype=torch.long)
+            self.prefix = table.to(device)
+            max_len = torch.maximum(max_len, self.prefix_len)
+        self.max_len = max_len
+        self.no_repeat_ngram = no_repeat_ngram
+
+    def forced(self, sentence: Tensor, t: int) -> Tensor:
+        """(N,) the token each row (of the given sentences) must take at step t, or -1 if free."""
+        forced = torch.where(self.max_len[sentence] <= t, EOS_ID, -1)
+        if self.prefix is not None and t < self.prefix.size(1):
+            forced = torch.where(self.prefix_len[sentence] > t, self.prefix[sentence, t], forced)
+        return forced
+
+    def bans(self, history: Tensor) -> tuple[Tensor, Tensor]:
+        """(rows, tokens) that would repeat an n-gram of history (N, t), the tokens so far."""
+        n, t = self.no_repeat_ngram, history.size(1)
+        if n <= 0 or t < n:
+            return NO_BANS[0].to(history.device), NO_BANS[1].to(history.device)
+        windows = history.unfold(1, n, 1)  # (N, t - n + 1, n): every n-gram so far
+        key = history[:, t - n + 1:]  # the last n - 1 tokens, which the next token would extend
+        rows, starts = (windows[:, :, : n - 1] == key.unsqueeze(1)).all(dim=2).nonzero(as_tuple=True)
+        return rows, windows[rows, starts, n - 1]
+
+
+def restrict_(scores: Tensor, forced: Tensor, bans: tuple[Tensor, Tensor]) -> Tensor:
+    """In place on (N, V) logits or log-probs: PAD and BOS are never generated, banned tokens
+    neither; a row with a forced token (forced >= 0) may only take it, with its own score."""
+    rows = (forced >= 0).nonzero().squeeze(1)
+    keep = scores[rows, forced[rows]].clone()
+    scores[:, PAD_ID] = NEG_INF
+    scores[:, BOS_ID] = NEG_INF
+    scores[bans] = NEG_INF
+    if rows.numel():
+        scores[rows] = NEG_INF
+        scores[rows, forced[rows]] = keep
+    return scores
+
+
 def length_penalty(length: Tensor | int, alpha: float) -> Tensor:
     """GNMT length penalty (Wu et al. 2016, eq. 14): ((5 + len) / 6) ** alpha, as float32."""
     return ((5.0 + torch.as_tensor(length, dtype=torch.float32)) / 6.0) ** alpha
@@ -64,38 +124,42 @@ def topk_step(scores: Tensor, top: Tensor, top_ids: Tensor, k: int) -> tuple[Ten
     return values, flat // kk, top_ids.reshape(B, K * kk).gather(1, flat)
 
 
-def next_token_topk(model: Decoder, tokens: Tensor, memory: Tensor, src: Tensor, cache, at_max: Tensor,
-                    k: int) -> tuple[Tensor, Tensor]:
+def next_token_topk(model: Decoder, tokens: Tensor, memory: Tensor, src: Tensor, cache, forced: Tensor,
+                    k: int, bans: tuple[Tensor, Tensor] = NO_BANS) -> tuple[Tensor, Tensor]:
     """Feed one new token per row; the k most probable next tokens of each row: float32
-    log-probs (N, k), best first, and their ids (N, k). PAD/BOS never, only EOS at max length.
+    log-probs (N, k), best first, and their ids (N, k). PAD/BOS and banned tokens never; a row
+    with forced[row] >= 0 gets that token alone (the others -inf).
 
     On a CPU, log_softmax over the whole vocabulary and then top-k cost more than the output
     projection. Here the logits are read twice (chunked top-k, then logsumexp in place) and never
-    copied; the masking happens on the k + 2 best, which hold the k best other than PAD and BOS."""
+    copied; the masking happens on the k + 2 best, which hold the k best other than PAD and BOS.
+    Banned tokens leave the top-k as -inf logits; the normaliser still counts them."""
     logits = model.decode(tokens.unsqueeze(1), memory, src, cache)[:, -1].float()
-    eos = logits[:, EOS_ID].clone()
+    rows = (forced >= 0).nonzero().squeeze(1)
+    kept = logits[rows, forced[rows]].clone()
+    banned = logits[bans].clone()
+    logits[bans] = NEG_INF
     top, ids = topk_rows(logits, min(k + 2, logits.size(1)))
     lse = logsumexp_(logits, peak=top[:, :1].clone())  # over every token; overwrites the logits
+    if banned.numel():
+        lse = _add_to_normaliser(lse, bans[0], banned)
     top = top.sub_(lse).masked_fill_((ids == PAD_ID) | (ids == BOS_ID), NEG_INF)
     top, pick = top.topk(min(k, top.size(1)), dim=1)
     ids = ids.gather(1, pick)
-    if at_max.any():  # only EOS may follow, with its own log-prob
-        top[at_max] = NEG_INF
-        top[at_max, 0] = (eos - lse.squeeze(1))[at_max]
-        ids[at_max, 0] = EOS_ID
+    if rows.numel():  # only the forced token may follow, with its own log-prob
+        top[rows] = NEG_INF
+        top[rows, 0] = kept - lse[rows].squeeze(1)
+        ids[rows, 0] = forced[rows]
     return top, ids
 
 
-def mask_scores(scores: Tensor, at_max: Tensor) -> Tensor:
-    """In place on (N, V) logits or log-probs: PAD and BOS are never generated; rows at their
-    maximum length (`at_max`, (N,) bool) may only end, and EOS keeps its own score there."""
-    scores[:, PAD_ID] = NEG_INF
-    scores[:, BOS_ID] = NEG_INF
-    if at_max.any():
-        eos = scores[:, EOS_ID].clone()
-        scores.masked_fill_(at_max.unsqueeze(1), NEG_INF)
-        scores[:, EOS_ID] = eos
-    return scores
+def _add_to_normaliser(lse: Tensor, rows: Tensor, values: Tensor) -> Tensor:
+    """(N, 1) log sum exp of each row, with logits `values` (of rows `rows`) added to its sum.
+    Rows without any are returned unchanged, bit for bit."""
+    lse = lse.squeeze(1)
+    shift = lse.scatter_reduce(0, rows, values, "amax")  # per row max(lse, its values): exp cannot overflow
+    total = (lse - shift).exp().index_add_(0, rows, (values - shift[rows]).exp())
+    return (shift + total.log()).unsqueeze(1)
 
 
 def _until_eos(row: list[int]) -> list[int]:
@@ -103,19 +167,58 @@ def _until_eos(row: list[int]) -> list[int]:
 
 
 @torch.inference_mode()
-def greedy_search(model: Decoder, src: Tensor, max_len: Tensor) -> list[list[int]]:
+def greedy_search(model: Decoder, src: Tensor, max_len: Tensor, prefixes: Sequence[Sequence[int]] | None = None,
+                  no_repeat_ngram: int = 0) -> list[list[int]]:
     """Most probable next token at each step. src (B, S) ids padded with PAD and ending in EOS;
-    max_len (B,) maximum output lengths. Finished sentences leave the batch (and the cache)."""
+    max_len (B,) maximum output lengths; prefixes, no_repeat_ngram: see Constraints. Finished
+    sentences leave the batch (and the cache)."""
+    return [ids for ids, _ in _decode_token_by_token(model, src, Constraints(max_len.to(src.device), prefixes,
+                                                                             no_repeat_ngram), pick=None)]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How sampling draws each token: from softmax(logits / temperature), cut to the `topk` most
+    probable (0 = all) and to the smallest most-probable set whose probability reaches `topp`."""
+
+    topk: int = 0
+    topp: float = 1.0
+    temperature: float = 1.0
+
+
+@torch.inference_mode()
+def sample(model: Decoder, src: Tensor, max_len: Tensor, sampling: Sampling, streams: Sequence[int],
+           prefixes: Sequence[Sequence[int]] | None = None, no_repeat_ngram: int = 0) -> list[tuple[list[int], float]]:
+    """One sample per row: (ids, sum of the model's log-probabilities of its tokens and EOS).
+
+    Row i's random numbers come from its own counter-based stream (streams[i], a 64-bit id, and
+    the step), never from a shared generator: a row's sample does not depend on which other rows
+    share its batch, how many there are, or in which order they come."""
+    keys = torch.as_tensor(np.asarray(streams, dtype=np.uint64).view(np.int64), device=src.device)
+
+    def pick(scores: Tensor, rows: Tensor, t: int) -> Tensor:
+        return draw(scores, uniforms(keys[rows], t), sampling)
+
+    return _decode_token_by_token(model, src, Constraints(max_len.to(src.device), prefixes, no_repeat_ngram), pick)
+
+
+def _decode_token_by_token(model: Decoder, src: Tensor, rules: Constraints, pick) -> list[tuple[list[int], float]]:
+    """Greedy search (pick None: the most probable token) or sampling (pick(scores, rows, t) draws
+    a token per row), one token per step. Returns per sentence (ids, sum of log-probs); greedy
+    leaves the sum at 0.0 (it never needs a log_softmax)."""
     B = src.size(0)
-    max_len = max_len.to(src.device)
     memory, cache = model.encode(src), model.new_cache()
-    out = src.new_full((B, int(max_len.max()) + 1), EOS_ID)
+    out = src.new_full((B, int(rules.max_len.max()) + 1), EOS_ID)
+    logprob = torch.zeros(B, dtype=torch.float64, device=src.device)
     active = torch.arange(B, device=src.device)  # original index of each row still decoding
     tokens = src.new_full((B,), BOS_ID)
     for t in range(out.size(1)):
-        at_max = max_len[active] <= t
-        logits = model.decode(tokens.unsqueeze(1), memory, src, cache)[:, -1]
-        tokens = mask_scores(logits.float(), at_max).argmax(dim=-1)  # log_softmax keeps the argmax
+        logits = model.decode(tokens.unsqueeze(1), memory, src, cache)[:, -1].float()
+        full = None if pick is None else torch.log_softmax(logits, dim=-1)  # the model's own, for the score
+        scores = restrict_(logits, rules.forced(active, t), rules.bans(out[active, :t]))
+        tokens = scores.argmax(dim=-1) if pick is None else pick(scores, active, t)  # log_softmax keeps the argmax
+        if full is not None:
+            logprob[active] += full.gather(1, tokens.unsqueeze(1)).squeeze(1).double()
         out[active, t] = tokens
         going = tokens != EOS_ID
         if not going.any():
@@ -124,23 +227,67 @@ def greedy_search(model: Decoder, src: Tensor, max_len: Tensor) -> list[list[int
             keep = going.nonzero().squeeze(1)
             active, tokens, memory, src = active[keep], tokens[keep], memory[keep], src[keep]
             cache.reorder(keep)
-    return [_until_eos(row) for row in out.tolist()]
+    return [(_until_eos(row), score) for row, score in zip(out.tolist(), logprob.tolist())]
+
+
+def stream_key(seed: int, line: int, sample: int) -> int:
+    """The 64-bit id of one sample's random stream: SplitMix64's finalizer over (seed, line, sample)."""
+    key = 0
+    for part in (seed, line, sample):
+        key = _mix64((key ^ part) + 0x9E3779B97F4A7C15)
+    return key
+
+
+def _mix64(z: int) -> int:
+    z &= 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)
+
+
+def uniforms(keys: Tensor, t: int) -> Tensor:
+    """(N,) float64 uniforms on [0, 1), a pure function of (key, t): SplitMix64 (Steele et al. 2014)
+    of the key advanced by t + 1 golden-ratio increments, top 53 bits."""
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps modulo 2^64, as SplitMix64 wants
+        z = keys.cpu().numpy().view(np.uint64) + np.uint64((t + 1) * 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return torch.from_numpy((z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53).to(keys.device)
+
+
+def draw(scores: Tensor, u: Tensor, sampling: Sampling) -> Tensor:
+    """(N,) tokens drawn by inverse transform with uniforms u from the rows of (N, V) restricted
+    logits, after temperature, top-k and top-p (module Sampling). Ties sort by token id, so
+    topk 1 picks exactly greedy's argmax."""
+    probs = torch.softmax(scores.double() / sampling.temperature, dim=-1)
+    probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    if sampling.topk > 0:
+        probs[:, sampling.topk:] = 0.0
+    if sampling.topp < 1.0:  # keep a token while the ones before it sum to less than p (the first always)
+        probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= sampling.topp, 0.0)
+    cdf = probs.cumsum(dim=-1)
+    index = (cdf < u.unsqueeze(1) * cdf[:, -1:]).sum(dim=1).clamp_(max=probs.size(1) - 1)
+    return order.gather(1, index.unsqueeze(1)).squeeze(1)
 
 
 @torch.inference_mode()
-def beam_search(model: Decoder, src: Tensor, beam: int, lenpen: float, max_len: Tensor,
-                nbest: int = 1) -> list[list[tuple[list[int], float]]]:
+def beam_search(model: Decoder, src: Tensor, beam: int, lenpen: float, max_len: Tensor, nbest: int = 1,
+                prefixes: Sequence[Sequence[int]] | None = None,
+                no_repeat_ngram: int = 0) -> list[list[tuple[list[int], float]]]:
     """Beam search over a flattened (sentences x beam) batch. Returns per sentence the `nbest`
     best (ids, score) pairs, best first; scores are length-normalised (see the module docstring).
 
     Each step takes the 2*beam best extensions per sentence: EOS among the top `beam` finishes a
     hypothesis (its score is then frozen), the best `beam` others stay alive. A sentence is done
     when it has `beam` finished hypotheses that no alive one can beat, or at its max_len; done
-    sentences leave the batch."""
+    sentences leave the batch. Within a forced prefix only one extension is finite, so the
+    sentence keeps one live beam until the prefix ends."""
     if not 1 <= nbest <= beam:
         raise ValueError(f"need 1 <= nbest <= beam, got nbest={nbest}, beam={beam}")
     B, K, device = src.size(0), beam, src.device
-    max_len = max_len.to(device)
+    rules = Constraints(max_len.to(device), prefixes, no_repeat_ngram)
+    max_len = rules.max_len
     steps = int(max_len.max()) + 1  # the last step can only add EOS
     memory = model.encode(src)
     # Step 0 feeds BOS once per sentence (all K beams would be the same prefix), so it starts from a
@@ -155,12 +302,12 @@ def beam_search(model: Decoder, src: Tensor, beam: int, lenpen: float, max_len: 
     tokens = src.new_full((B,), BOS_ID)
     for t in range(steps):
         A = active.numel()
-        at_max = max_len[active] <= t
         if t == 0:  # one beam: its 2K best tokens are the candidates
-            top, ids = next_token_topk(model, tokens, memory, src, cache, at_max, 2 * K)
+            top, ids = next_token_topk(model, tokens, memory, src, cache, rules.forced(active, t), 2 * K)
             cache = cache.expand_beams(K)
         else:  # K + 1 per beam hold the sentence's K best and its K best non-EOS (one EOS per beam)
-            top, ids = next_token_topk(model, tokens, memory, src, cache, at_max.repeat_interleave(K), K + 1)
+            forced = rules.forced(active.repeat_interleave(K), t)
+            top, ids = next_token_topk(model, tokens, memory, src, cache, forced, K + 1, rules.bans(history[:, :t]))
         values, parent, token = topk_step(scores, top.view(A, scores.size(1), -1), ids.view(A, scores.size(1), -1), 2 * K)
         parent += torch.arange(A, device=device).unsqueeze(1) * K  # flat row of each parent
         ended = (token[:, :K] == EOS_ID) & values[:, :K].isfinite()
@@ -206,6 +353,8 @@ def _best_possible(scores: Tensor, t: int, max_len: Tensor, lenpen: float) -> Te
 
 
 def _results(fin_scores: Tensor, fin_tokens: Tensor, nbest: int) -> list[list[tuple[list[int], float]]]:
+    """The nbest finished hypotheses per sentence. A sentence with fewer possible outputs than
+    nbest (a forced prefix as long as its max_len has one) fills the rest with ([], -inf)."""
     scores, tokens = fin_scores[:, :nbest].tolist(), fin_tokens[:, :nbest].tolist()
-    return [[(_until_eos(ids), score) for ids, score in zip(row_ids, row_scores)]
+    return [[(_until_eos(ids) if score > NEG_INF else [], score) for ids, score in zip(row_ids, row_scores)]
             for row_ids, row_scores in zip(tokens, scores)]

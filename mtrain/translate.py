@@ -20,7 +20,7 @@ from mtrain.config import DecodeConfig
 from mtrain.data import make_batches
 from mtrain.errors import MtrainError
 from mtrain.hardware import resolve_device
-from mtrain.search import Decoder, beam_search, greedy_search
+from mtrain.search import Decoder, Sampling, beam_search, greedy_search, sample, stream_key
 from mtrain.tokenizer import EOS_ID, PAD_ID, Tokenizer
 
 CHUNK_LINES = 2000  # lines read, translated and written at a time: memory stays bounded on big inputs
@@ -34,7 +34,13 @@ def check_decode(decode: DecodeConfig) -> None:
     """One-line errors for settings that cannot work (before any model is loaded)."""
     problems = [
         (decode.beam < 1, f"--beam {decode.beam}: must be at least 1"),
-        (not 1 <= decode.nbest <= decode.beam, f"--nbest {decode.nbest}: must be between 1 and --beam ({decode.beam})"),
+        (decode.sample and decode.nbest < 1, f"--nbest {decode.nbest}: must be at least 1"),
+        (not decode.sample and not 1 <= decode.nbest <= decode.beam,
+         f"--nbest {decode.nbest}: must be between 1 and --beam ({decode.beam})"),
+        (decode.topk < 0, f"--topk {decode.topk}: must be at least 1 (0 in a config: no limit)"),
+        (not 0.0 < decode.topp <= 1.0, f"--topp {decode.topp}: must be in (0, 1]"),
+        (decode.temperature <= 0.0, f"--temperature {decode.temperature}: must be above 0"),
+        (decode.no_repeat_ngram < 0, f"--no-repeat-ngram {decode.no_repeat_ngram}: must be 0 (off) or more"),
         (decode.max_len_a < 0, f"--max-len-a {decode.max_len_a}: must not be negative"),
         (decode.max_len_b < 0, f"--max-len-b {decode.max_len_b}: must not be negative"),
         (decode.max_tokens < 1, f"--max-tokens {decode.max_tokens}: must be at least 1"),
@@ -70,24 +76,43 @@ def pad_sources(seqs: list[list[int]], device: torch.device) -> torch.Tensor:
     return src.to(device)
 
 
-def _search(model: Decoder, src: torch.Tensor, max_len: torch.Tensor, decode: DecodeConfig) -> list[list[tuple[list[int], float]]]:
-    if decode.beam == 1:  # greedy has no scores; nbest is 1 here (check_decode)
-        return [[(ids, 0.0)] for ids in greedy_search(model, src, max_len)]
-    return beam_search(model, src, decode.beam, decode.lenpen, max_len, nbest=decode.nbest)
+def _search(model: Decoder, src: torch.Tensor, max_len: torch.Tensor, decode: DecodeConfig,
+            prefixes: list[list[int]] | None, lines: list[int]) -> list[list[tuple[list[int], float]]]:
+    """decode.nbest (ids, score) per row: beam search, sampling, or greedy search (score 0.0).
+    lines: each row's line number in the whole input, which picks its sampling streams."""
+    if decode.sample:
+        n = decode.nbest
+        streams = [stream_key(decode.seed, line, k) for line in lines for k in range(n)]
+        drawn = sample(model, src.repeat_interleave(n, 0), max_len.repeat_interleave(n), _sampling(decode), streams,
+                       None if prefixes is None else [p for p in prefixes for _ in range(n)], decode.no_repeat_ngram)
+        return [drawn[i * n : (i + 1) * n] for i in range(len(lines))]
+    if decode.beam == 1:  # nbest is 1 here (check_decode)
+        return [[(ids, 0.0)] for ids in greedy_search(model, src, max_len, prefixes, decode.no_repeat_ngram)]
+    return beam_search(model, src, decode.beam, decode.lenpen, max_len, decode.nbest, prefixes, decode.no_repeat_ngram)
+
+
+def _sampling(decode: DecodeConfig) -> Sampling:
+    return Sampling(topk=decode.topk, topp=decode.topp, temperature=decode.temperature)
 
 
 def translate_nbest(model: Decoder, tokenizer: Tokenizer, lines: list[str], decode: DecodeConfig, device: torch.device | str,
-                    stats: dict[str, Any] | None = None, bar=None) -> tuple[Hypotheses, int]:
+                    stats: dict[str, Any] | None = None, bar=None, prefixes: list[str] | None = None,
+                    first_line: int = 0) -> tuple[Hypotheses, int]:
     """The n-best (text, score) of each line in input order, and the number of lines cut to the
-    model's max_len. Empty and whitespace-only lines get `decode.nbest` empty translations (score
-    0.0) without running the model."""
+    model's max_len. prefixes[i] (raw target text; "" = none) starts line i's translation.
+    first_line: the number of lines[0] in the whole input (sampling draws by line number, so
+    samples do not depend on how the input is cut into chunks and batches). Empty and
+    whitespace-only lines get `decode.nbest` translations that are just their prefix (score 0.0)
+    without running the model."""
     check_decode(decode)
     device = torch.device(device)
     ids = tokenizer.src.encode([line if line.strip() else "" for line in lines])
+    forced = tokenizer.tgt.encode(prefixes) if prefixes is not None else None
     limit = model.cfg.max_len - 1  # room for EOS
     n_cut = sum(len(seq) > limit for seq in ids)
     ids = [seq[:limit] for seq in ids]
-    results: Hypotheses = [[("", 0.0)] * decode.nbest for _ in lines]
+    bare = tokenizer.tgt.decode(forced) if forced is not None else [""] * len(lines)
+    results: Hypotheses = [[(LINE_BREAKS.sub(" ", text), 0.0)] * decode.nbest for text in bare]
     todo = [i for i, seq in enumerate(ids) if seq]
     slope = length_slope(decode, stats)
     for batch in decode_batches([len(ids[i]) for i in todo], decode.max_tokens):
@@ -95,7 +120,8 @@ def translate_nbest(model: Decoder, tokenizer: Tokenizer, lines: list[str], deco
         src = pad_sources([ids[i] for i in rows], device)
         src_len = torch.tensor([len(ids[i]) for i in rows], dtype=torch.float64)
         max_len = (slope * src_len + decode.max_len_b).floor().long()
-        hyps = _search(model, src, max_len, decode)
+        row_prefixes = None if forced is None else [forced[i] for i in rows]
+        hyps = _search(model, src, max_len, decode, row_prefixes, [first_line + i for i in rows])
         texts = tokenizer.tgt.decode([h for nbest in hyps for h, _ in nbest])
         for k, i in enumerate(rows):
             chunk = texts[k * decode.nbest : (k + 1) * decode.nbest]
@@ -182,23 +208,58 @@ def atomic_output(output: str) -> Iterator[IO[str]]:
         yield sink
 
 
+def count_lines(path: str | Path) -> int:
+    """Lines as read_chunks sees them (a last line without a newline counts), read in blocks."""
+    count, last = 0, b"\n"
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 20):
+            count, last = count + block.count(b"\n"), block[-1:]
+    return count + (last != b"\n")
+
+
+def check_parallel(name: str, path: str, input: str) -> None:
+    """A file that must have one line per input line (prefixes, targets) has as many as the input
+    (checked before any output when the input is a file; stdin is checked as it streams)."""
+    if not Path(path).is_file():
+        raise MtrainError(f"{path}: {name} file not found; pass an existing text file")
+    if input != "-" and Path(input).is_file() and (n := count_lines(path)) != (m := count_lines(input)):
+        raise MtrainError(f"{path}: {n} line{'s' * (n != 1)} but {input} has {m}; give one {name} line per input line "
+                          "(an empty line for none)")
+
+
+def paired_chunks(chunks: Iterator[list[str]], other: Iterator[list[str]] | None, other_name: str,
+                  input_name: str) -> Iterator[tuple[list[str], list[str] | None]]:
+    """Chunks of the input with the same lines of a parallel file (both read with the same size)."""
+    for lines in chunks:
+        mate = None if other is None else next(other, [])
+        if mate is not None and len(mate) != len(lines):
+            raise MtrainError(f"{other_name}: fewer lines than {input_name}; give one line per input line")
+        yield lines, mate
+    if other is not None and next(other, None) is not None:
+        raise MtrainError(f"{other_name}: more lines than {input_name}; give one line per input line")
+
+
 def translate_file(checkpoints: str | Path | list[str | Path], input: str, output: str, decode: DecodeConfig,
-                   device: str = "auto") -> None:
+                   device: str = "auto", prefix: str | None = None) -> None:
     """`mtrain translate`: stream `input` (a path or - for stdin) in chunks and write exactly one
     line per input line (nbest lines with --nbest) to `output` (- for stdout). A named output is
     written to a temp file in its folder and renamed at the end: an error leaves no half file.
-    Several checkpoints decode as an ensemble (mtrain.ensemble)."""
+    Several checkpoints decode as an ensemble (mtrain.ensemble). `prefix`: a file whose line i
+    starts line i's translation."""
     check_decode(decode)
+    if prefix is not None:
+        check_parallel("prefix", prefix, input)
     resolved = resolve_device(device)
-    with open_input(input) as (handle, name, interactive):
+    with open_input(input) as (handle, name, interactive), contextlib.ExitStack() as stack:
         model, tokenizer, ckpt = load_models(checkpoints, resolved)
         stats = ckpt.get("stats") or None
         # Typed lines are answered one at a time; files and pipes go in chunks with a progress bar.
         size = 1 if interactive else CHUNK_LINES
+        prefixes = None if prefix is None else read_chunks(stack.enter_context(open(prefix, "rb")), prefix, size)
         n_cut = done = 0
         with atomic_output(output) as sink, tqdm(unit=" lines", file=sys.stderr, disable=interactive, leave=False) as bar:
-            for lines in read_chunks(handle, name, size):
-                results, cut = translate_nbest(model, tokenizer, lines, decode, resolved, stats, bar)
+            for lines, starts in paired_chunks(read_chunks(handle, name, size), prefixes, str(prefix), name):
+                results, cut = translate_nbest(model, tokenizer, lines, decode, resolved, stats, bar, starts, done)
                 sink.write(format_lines(results, done, decode.nbest))
                 sink.flush()
                 n_cut, done = n_cut + cut, done + len(lines)

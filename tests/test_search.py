@@ -139,8 +139,8 @@ def test_logsumexp_in_place():
 def test_next_token_topk_never_pad_or_bos_and_forces_eos_at_max():
     model = ScriptedModel(TABLE)
     src = src_of(A, A)
-    at_max = torch.tensor([False, True])
-    top, ids = next_token_topk(model, torch.full((2,), BOS_ID), model.encode(src), src, model.new_cache(), at_max, 3)
+    forced = torch.tensor([-1, EOS_ID])  # the second row is at its maximum length
+    top, ids = next_token_topk(model, torch.full((2,), BOS_ID), model.encode(src), src, model.new_cache(), forced, 3)
     assert ids[0].tolist() == [A, B_, EOS_ID]
     assert top[0].tolist() == pytest.approx([math.log(0.5), math.log(0.3), math.log(0.2)])
     assert ids[1, 0] == EOS_ID and top[1, 0].item() == pytest.approx(math.log(0.2))  # EOS keeps its own log-prob

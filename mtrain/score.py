@@ -1,0 +1,88 @@
+"""`mtrain score`: the model's teacher-forced log-probability of given translations, log p(y | x)
+with y's EOS, one line per sentence pair (to filter a noisy corpus, or rerank n-best lists). For
+an ensemble it is the log of the mean of the members' probabilities, token by token, the
+distribution ensemble decoding searches. Batched and streamed like `mtrain translate`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from mtrain.checkpoint import load_models
+from mtrain.hardware import resolve_device
+from mtrain.search import Decoder
+from mtrain.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from mtrain.translate import (CHUNK_LINES, atomic_output, check_parallel, decode_batches, open_input, pad_sources,
+                              paired_chunks, read_chunks, warn_cut)
+
+
+def pad_targets(seqs: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tgt_in, tgt_out): BOS + ids and ids + EOS, right-padded with PAD (as training collates them)."""
+    width = max(map(len, seqs)) + 1
+    tgt_in = torch.full((len(seqs), width), PAD_ID, dtype=torch.long)
+    tgt_out = torch.full((len(seqs), width), PAD_ID, dtype=torch.long)
+    for row, ids in enumerate(seqs):
+        tgt_in[row, : len(ids) + 1] = torch.tensor([BOS_ID, *ids], dtype=torch.long)
+        tgt_out[row, : len(ids) + 1] = torch.tensor([*ids, EOS_ID], dtype=torch.long)
+    return tgt_in.to(device), tgt_out.to(device)
+
+
+@torch.inference_mode()
+def score_batch(model: Decoder, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> list[float]:
+    """Summed log-probabilities of each row's target tokens (PAD positions excluded), float64 sums."""
+    logits = model.decode(tgt_in, model.encode(src), src).float()
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, tgt_out.unsqueeze(-1)).squeeze(-1)
+    return logp.masked_fill(tgt_out == PAD_ID, 0.0).double().sum(dim=1).tolist()
+
+
+def score_pairs(model: Decoder, tokenizer: Tokenizer, sources: list[str], targets: list[str], max_tokens: int,
+                device: torch.device | str, bar=None) -> tuple[list[tuple[float, int]], int]:
+    """(log p(target | source), scored tokens with EOS) per pair, in input order, and the number of
+    sources cut to the model's max_len (as translate cuts them). An empty target scores its EOS."""
+    device = torch.device(device)
+    limit = model.cfg.max_len - 1  # room for EOS
+    src_ids = tokenizer.src.encode([line if line.strip() else "" for line in sources])
+    tgt_ids = tokenizer.tgt.encode([line if line.strip() else "" for line in targets])
+    n_cut = sum(len(seq) > limit for seq in src_ids)
+    src_ids = [seq[:limit] for seq in src_ids]
+    results: list[tuple[float, int]] = [(0.0, 0)] * len(sources)
+    for rows in decode_batches([max(len(s), len(t)) for s, t in zip(src_ids, tgt_ids)], max_tokens):
+        src = pad_sources([src_ids[i] for i in rows], device)
+        tgt_in, tgt_out = pad_targets([tgt_ids[i] for i in rows], device)
+        for i, total in zip(rows, score_batch(model, src, tgt_in, tgt_out)):
+            results[i] = (total, len(tgt_ids[i]) + 1)
+        if bar is not None:
+            bar.update(len(rows))
+    return results, n_cut
+
+
+def format_scores(results: list[tuple[float, int]], as_json: bool) -> str:
+    """`total<TAB>tokens<TAB>mean` lines, or one JSON object a line."""
+    if as_json:
+        return "".join(json.dumps({"logprob": total, "tokens": n, "mean_logprob": total / n}) + "\n"
+                       for total, n in results)
+    return "".join(f"{total:.6f}\t{n}\t{total / n:.6f}\n" for total, n in results)
+
+
+def score_file(checkpoints: str | Path | list[str | Path], src: str, tgt: str, output: str, max_tokens: int,
+               as_json: bool = False, device: str = "auto") -> None:
+    """`mtrain score`: stream the two files in chunks, one output line per pair; a named output is
+    written atomically (an error leaves no half file)."""
+    check_parallel("target", tgt, src)
+    resolved = resolve_device(device)
+    with open_input(src) as (handle, name, _), open(tgt, "rb") as targets:
+        model, tokenizer, _ = load_models(checkpoints, resolved)
+        n_cut = 0
+        with atomic_output(output) as sink, tqdm(unit=" pairs", file=sys.stderr, leave=False) as bar:
+            pairs = paired_chunks(read_chunks(handle, name, CHUNK_LINES), read_chunks(targets, tgt, CHUNK_LINES),
+                                  tgt, name)
+            for sources, lines in pairs:
+                results, cut = score_pairs(model, tokenizer, sources, lines, max_tokens, resolved, bar)
+                sink.write(format_scores(results, as_json))
+                sink.flush()
+                n_cut += cut
+        warn_cut(n_cut, model.cfg.max_len)
