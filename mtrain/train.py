@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from mtrain import checkpoint
+from mtrain import checkpoint, tracking
 from mtrain import distributed as dist_utils
 from mtrain.atomic import atomic_write
 from mtrain.config import Config, replace, to_dict, to_yaml
@@ -358,11 +358,15 @@ class Run:
     def __init__(self, trainer: Trainer) -> None:
         self.tr = trainer
         self.metrics: MetricsLog | None = None
+        self.trackers = tracking.Trackers()  # train.log_to, on the main rank once open_trackers ran
+        self.resume_step: int | None = None
         self.started = time.perf_counter()
 
     def start(self) -> None:
         tr = self.tr
+        tracking.check_available(tr.tcfg.log_to)  # a missing package fails here, before any update
         resumed = tr.resume()
+        self.resume_step = tr.state.step if resumed else None
         if tr.dist.is_main:
             tr.run_dir.mkdir(parents=True, exist_ok=True)
             # A write killed by kill -9 or a crash leaves its temp file (a checkpoint's size each time).
@@ -379,9 +383,16 @@ class Run:
         if note and not resumed:
             tr.log(note)
 
+    def open_trackers(self) -> None:
+        """TensorBoard / W&B (train.log_to), on the main rank; they continue the series on resume."""
+        if self.metrics is not None and self.tr.tcfg.log_to:
+            self.trackers = tracking.open_trackers(self.tr.tcfg.log_to, self.tr.run_dir, self.tr.cfg,
+                                                   self.resume_step, self.metrics.records)
+
     def record(self, event: dict[str, Any]) -> None:
         if self.metrics is not None:
             self.metrics.write(event)
+            self.trackers.log(event)
 
     def log_window(self, stats: dict[str, float], seconds: float) -> None:
         w = self.tr.state.window
@@ -418,6 +429,7 @@ class Run:
             tr.log(f"step {s.step}: valid loss {result['loss']:.3f} ppl {result['ppl']:.2f} BLEU {result['bleu']:.2f} "
                    f"chrF {result['chrf']:.2f}" + (" (best)" if improved else f" (best {s.best_bleu:.2f} at {s.best_step})"))
             tr.log("\n".join(f"  src: {x['src']}\n  ref: {x['ref']}\n  hyp: {x['hyp']}" for x in result["samples"]))
+            self.trackers.flush()
             self.plot()
             stop = 0 < tr.tcfg.patience <= s.bad_evals
             if stop:
@@ -430,6 +442,11 @@ class Run:
     def plot(self) -> None:
         if self.metrics is not None:
             plot_metrics(self.metrics.records, self.tr.run_dir / "plot.png")
+
+    def save_last(self, with_step_file: bool) -> None:
+        """Flush the trackers, then write last.pt: whatever a resume from it keeps is on disk."""
+        self.trackers.flush()
+        self.tr.save_last(with_step_file)
 
     def loop(self, stop_signal: StopSignal) -> str:
         """Updates until max_steps, early stopping or a signal. Returns why it stopped."""
@@ -458,7 +475,7 @@ class Run:
                     break
                 interrupted = dist_utils.any_rank(stop_signal.signum is not None, tr.dist, tr.device)
                 if step % t.save_every == 0 or interrupted:
-                    tr.save_last(with_step_file=step % t.save_every == 0)
+                    self.save_last(with_step_file=step % t.save_every == 0)
                 if interrupted:
                     return "interrupted"
         finally:
@@ -472,7 +489,7 @@ class Run:
             self.validate()
         # Always rewrite last.pt: the final validation changed best/early-stopping state.
         s.finished = reason
-        tr.save_last(with_step_file=not (tr.run_dir / f"step-{s.step}.pt").is_file())
+        self.save_last(with_step_file=not (tr.run_dir / f"step-{s.step}.pt").is_file())
         if tr.dist.is_main and tr.tcfg.average_last > 0:
             files = tr.step_files()[-tr.tcfg.average_last:]
             checkpoint.average_checkpoints(files, tr.run_dir / "averaged.pt")
@@ -534,15 +551,21 @@ def _run(trainer: Trainer) -> dict[str, Any]:
         return _summary(trainer, "done", None)
     s.finished = ""
     trainer.model.train()
-    with StopSignal() as stop_signal:
-        # A run killed during finish() resumes straight into it (step == max_steps, not finished).
-        reason = run.loop(stop_signal) if s.step < t.max_steps else "max_steps"
-        if reason == "interrupted":
-            run.plot()
-            trainer.log(f"stopped at step {s.step}; {trainer.run_dir / 'last.pt'} saved; "
-                        "re-run the same command to resume")
-        else:
-            run.finish(reason)
+    run.open_trackers()
+    failed = True
+    try:
+        with StopSignal() as stop_signal:
+            # A run killed during finish() resumes straight into it (step == max_steps, not finished).
+            reason = run.loop(stop_signal) if s.step < t.max_steps else "max_steps"
+            if reason == "interrupted":
+                run.plot()
+                trainer.log(f"stopped at step {s.step}; {trainer.run_dir / 'last.pt'} saved; "
+                            "re-run the same command to resume")
+            else:
+                run.finish(reason)
+        failed = False
+    finally:  # also on an error or a second Ctrl-C: the trackers write what they hold
+        run.trackers.close(failed)
     return _summary(trainer, reason, stop_signal.signum)
 
 
