@@ -6,6 +6,7 @@ training batches: token-budget buckets as a pure function of (seed, epoch), the 
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import json
 from dataclasses import dataclass
@@ -26,6 +27,11 @@ SIDES = ("src", "tgt")
 # ----------------------------------------------------------------------------------------------
 # The cache read back
 # ----------------------------------------------------------------------------------------------
+def model_digest(model: bytes) -> str:
+    """The SHA-256 of a serialized SentencePiece model, as meta.json records it."""
+    return hashlib.sha256(model).hexdigest()
+
+
 def to_ragged_arrays(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Concatenated int32 ids and int64 offsets (n + 1 of them): sentence i is ids[off[i]:off[i+1]]."""
     lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
@@ -99,7 +105,18 @@ class TokenizedData:
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer:
-        return Tokenizer.load(self.path, joint=self.meta["joint"])
+        """The folder's SentencePiece model(s), checked against what meta.json says made the ids."""
+        tokenizer = Tokenizer.load(self.path, joint=self.meta["joint"])
+        digests = self.meta.get("spm_sha256") or {}
+        for side, name in zip(SIDES, ("spm.model",) * 2 if tokenizer.joint else ("spm.src.model", "spm.tgt.model")):
+            model = getattr(tokenizer, side)
+            if digests.get(side, model_digest(model.model)) != model_digest(model.model):
+                raise MtrainError(f"{self.path / name}: not the SentencePiece model this folder was tokenized with "
+                                  f"(its checksum differs from meta.json's); re-run `mtrain tokenize --out {self.path}`")
+            if self.meta.get(f"{side}_vocab_size", model.vocab_size) != model.vocab_size:
+                raise MtrainError(f"{self.path / 'meta.json'}: {side}_vocab_size {self.meta[f'{side}_vocab_size']} but "
+                                  f"{name} has {model.vocab_size} pieces; re-run `mtrain tokenize --out {self.path}`")
+        return tokenizer
 
     @functools.cached_property
     def stats(self) -> dict[str, Any]:
@@ -126,7 +143,32 @@ class TokenizedData:
         if len(sides[0]) != len(sides[1]):
             raise MtrainError(f"{self.path}: {name} has {len(sides[0])} src but {len(sides[1])} tgt lines; "
                               "re-run mtrain tokenize")
+        for side, ragged in zip(SIDES, sides):
+            self._check_ragged(f"{name}.{side}", ragged)
         return Split(name, sides[0], sides[1], self.path)
+
+    def _check_ragged(self, stem: str, ragged: Ragged) -> None:
+        """Offsets that index the ids array, ids within the vocabulary, and counts that agree with
+        stats.json: a damaged or mismatched cache fails here, at start-up, not mid-run. One pass
+        over the (memory-mapped) ids."""
+        offsets, ids = ragged.offsets, ragged.ids
+        fix = f"re-run `mtrain tokenize --out {self.path}`"
+        if offsets.size == 0 or offsets[0] != 0 or offsets[-1] != ids.size or (ragged.lengths < 0).any():
+            raise MtrainError(f"{self.path / f'{stem}.offsets.npy'}: does not index {stem}.ids.npy "
+                              f"({ids.size} ids); the cache is damaged, {fix}")
+        vocab = self.meta.get(f"{stem.rsplit('.', 1)[1]}_vocab_size")
+        if ids.size and vocab is not None and not 0 <= int(ids.min()) <= int(ids.max()) < vocab:
+            raise MtrainError(f"{self.path / f'{stem}.ids.npy'}: ids outside the vocabulary of {vocab} pieces; "
+                              f"the cache is damaged or mixed with another run's, {fix}")
+        split, side = stem.rsplit(".", 1)
+        entry = (self._stats_or_none() or {}).get("splits", {}).get(split)
+        if entry is not None and (entry.get("lines"), entry.get(f"{side}_tokens", {}).get("total")) != (len(ragged), ids.size):
+            raise MtrainError(f"{self.path / 'stats.json'}: says {split} has {entry.get('lines')} lines and "
+                              f"{entry.get(f'{side}_tokens', {}).get('total')} {side} tokens, the cache "
+                              f"{len(ragged)} and {ids.size}; {fix}")
+
+    def _stats_or_none(self) -> dict[str, Any] | None:
+        return self.stats if (self.path / "stats.json").is_file() else None
 
     def _load_array(self, path: Path, mmap_mode: Optional[str] = None) -> np.ndarray:
         """np.load (never unpickling: allow_pickle stays False) with one-line errors for damaged files."""

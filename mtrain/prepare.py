@@ -20,7 +20,7 @@ from tqdm import tqdm
 from mtrain.atomic import atomic_write
 from mtrain.config import Config
 from mtrain.corpus import Pairs, clean_pairs, cleaning_report, read_corpus
-from mtrain.data import FORMAT_VERSION, SIDES, to_ragged_arrays
+from mtrain.data import FORMAT_VERSION, SIDES, model_digest, to_ragged_arrays
 from mtrain.errors import MtrainError
 from mtrain.tokenizer import MODEL_TYPES, SPECIAL_IDS, Tokenizer
 
@@ -145,6 +145,8 @@ def _meta(cfg: Config, tok: Tokenizer, splits: list[str], source: str) -> dict[s
         "src_vocab_size": tok.src.vocab_size,
         "tgt_vocab_size": tok.tgt.vocab_size,
         "special_ids": dict(SPECIAL_IDS),
+        # Which SentencePiece model(s) made the ids: a model copied in from another run is refused.
+        "spm_sha256": {"src": model_digest(tok.src.model), "tgt": model_digest(tok.tgt.model)},
         "splits": list(splits),
         "train_split": splits[0],
         "source": source,

@@ -6,6 +6,8 @@ problem and its fix, never a traceback, and never leaves a partial output file b
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import random
 import shutil
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -217,6 +220,18 @@ TABLE: dict[str, list[Case]] = {
              id="truncated meta.json"),
         Case(lambda e: train(e, data=_damaged_tok(e, "train.src.ids.npy", b"\x93NUMPY garbage")), ("train.src.ids.npy",),
              ("run",), id="damaged ids file"),
+        Case(lambda e: train(e, data=_edited_tok(e, "train.tgt.ids.npy", lambda b: b[: len(b) // 2])),
+             ("train.tgt.ids.npy", "damaged"), ("run",), id="truncated ids file"),
+        Case(lambda e: train(e, data=_edited_array(e, "valid.src.offsets.npy", lambda a: a * 2)),
+             ("valid.src.offsets.npy", "does not index"), ("run",), id="offsets that do not index the ids"),
+        Case(lambda e: train(e, data=_edited_array(e, "train.src.ids.npy", lambda a: a + 5000)),
+             ("train.src.ids.npy", "outside the vocabulary"), ("run",), id="ids from a larger vocabulary"),
+        Case(lambda e: train(e, data=_edited_json(e, "meta.json", lambda m: m.update(tgt_vocab_size=999))),
+             ("meta.json", "tgt_vocab_size 999"), ("run",), id="edited meta.json"),
+        Case(lambda e: train(e, data=_edited_json(e, "stats.json", lambda m: m["splits"]["train"].update(lines=7))),
+             ("stats.json", "says train has 7 lines"), ("run",), id="stats.json that disagrees with the ids"),
+        Case(lambda e: train(e, data=_foreign_spm(e)), ("spm.model", "not the SentencePiece model"), ("run",),
+             id="spm.model of another run"),
         # Over train.max_tokens (512) is what matters; 10,000 tokens would only make the test slow.
         Case(lambda e: train(e, "--set", "train.eval_max_sentences=1", data=_tokenized(e, valid=" ".join(["Hund"] * 1000))),
              ok=True, id="1,000-token line in the valid split"),
@@ -304,10 +319,42 @@ TABLE: dict[str, list[Case]] = {
 
 
 def _damaged_tok(env: Env, name: str, data: bytes) -> Path:
+    return _edited_tok(env, name, lambda _: data)
+
+
+def _edited_tok(env: Env, name: str, edit: Callable[[bytes], bytes]) -> Path:
+    """A copy of the tokenized folder with one file's bytes edited."""
     folder = env.tmp / "tok-copy"
     shutil.copytree(env.tok, folder)
-    (folder / name).write_bytes(data)
+    (folder / name).write_bytes(edit((folder / name).read_bytes()))
     return folder
+
+
+def _edited_array(env: Env, name: str, edit: Callable[[np.ndarray], np.ndarray]) -> Path:
+    def rewrite(data: bytes) -> bytes:
+        buffer = io.BytesIO()
+        np.save(buffer, edit(np.load(io.BytesIO(data))))
+        return buffer.getvalue()
+
+    return _edited_tok(env, name, rewrite)
+
+
+def _edited_json(env: Env, name: str, edit: Callable[[dict], None]) -> Path:
+    def rewrite(data: bytes) -> bytes:
+        obj = json.loads(data)
+        edit(obj)
+        return json.dumps(obj).encode()
+
+    return _edited_tok(env, name, rewrite)
+
+
+def _foreign_spm(env: Env) -> Path:
+    """The tokenized folder with the spm.model of another `mtrain tokenize` run (another vocabulary)."""
+    from mtrain.config import load_config
+    from mtrain.prepare import tokenize_corpus
+
+    tokenize_corpus(load_config(None, ["tokenizer.vocab_size=350"]), env.raw, env.tmp / "tok-other", ["train", "valid"])
+    return _edited_tok(env, "spm.model", lambda _: (env.tmp / "tok-other" / "spm.model").read_bytes())
 
 
 def _tokenized(env: Env, valid: str) -> Path:
