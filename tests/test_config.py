@@ -92,3 +92,19 @@ def test_yaml_round_trip():
 def test_missing_config_file(tmp_path):
     with pytest.raises(MtrainError, match="not found"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_log_to_is_a_list_from_yaml_or_comma_separated_text(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  log_to: [tensorboard, wandb]\n", encoding="utf-8")
+    assert load_config(path).train.log_to == ("tensorboard", "wandb")
+    assert load_config(None, ["train.log_to=wandb,tensorboard"]).train.log_to == ("wandb", "tensorboard")
+    assert load_config(None, ["train.log_to="]).train.log_to == ()
+    cfg = load_config(None, ["train.log_to=tensorboard"])
+    assert config_from_dict(to_dict(cfg)) == cfg and "- tensorboard" in to_yaml(cfg)
+
+
+def test_unknown_log_to_target_is_a_one_line_error():
+    with pytest.raises(MtrainError, match=r"^train\.log_to: unknown 'tensorbord'; use tensorboard and/or wandb") as err:
+        load_config(None, ["train.log_to=tensorbord"])
+    assert "\n" not in str(err.value)
