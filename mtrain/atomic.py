@@ -3,15 +3,35 @@ success, so a crash, a kill or a full disk never leaves a half-written output (n
 
 Every file mtrain writes whole (checkpoints, metrics, plots, config.yaml, translations, the
 tokenized folder's JSON) goes through `atomic_write`. The temp name is unique per call
-(mkstemp), so two processes writing the same target never rename each other's temp file."""
+(mkstemp), so two processes writing the same target never rename each other's temp file.
+
+`os_error_in` and `describe_write_error` put a failed write (a full disk, a file size limit, a
+failing device) into words, the same everywhere: the CLI's error line and training's stop line."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from pathlib import Path
 from typing import IO, Any, Iterator
+
+# Errors that only a write can raise: a failed atomic write names its target when the OS did not.
+WRITE_ERRNOS = frozenset(code for code in (errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", None)) if code)
+
+# errno -> (what happened, what to do before re-running), for the failures a user can fix.
+_WRITE_FAILURES = {
+    errno.ENOSPC: ("No space left on device", "free disk space"),
+    errno.EFBIG: ("File too large for this filesystem or ulimit -f",
+                  "raise the file size limit (ulimit -f) or write to a filesystem that allows larger files"),
+    errno.EIO: ("Input/output error: the disk or network filesystem failed", "check the device"),
+    errno.EROFS: ("Read-only file system", "write to a writable folder"),
+    errno.EACCES: ("Permission denied", "check the folder's permissions"),
+    errno.EPERM: ("Operation not permitted", "check the folder's permissions"),
+}
+if hasattr(errno, "EDQUOT"):
+    _WRITE_FAILURES[errno.EDQUOT] = ("Disk quota exceeded", "free space within your disk quota")
 
 
 @contextlib.contextmanager
@@ -30,8 +50,10 @@ def atomic_write(path: str | Path, binary: bool = False, durable: bool = False) 
                 handle.flush()
                 os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.errno in WRITE_ERRNOS and not err.filename:
+            err.filename = str(path)  # a buffered write's error does not say which file it was
         raise
     if durable:
         _fsync_dir(path.parent)
@@ -49,3 +71,30 @@ def _fsync_dir(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def os_error_in(err: BaseException) -> OSError | None:
+    """The OSError behind err: err itself, or one it was raised from or during (torch.save turns
+    a failed write into a RuntimeError whose context is the OSError)."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def describe_write_error(err: BaseException) -> tuple[str, str | None]:
+    """(the cause in words, the remedy or None) of a failed write: 'ENOSPC: No space left on
+    device' and 'free disk space' for a full disk; the first line of any other error."""
+    os_err = os_error_in(err)
+    if os_err is not None and os_err.errno is not None:
+        name = errno.errorcode.get(os_err.errno, str(os_err.errno))
+        if os_err.errno in _WRITE_FAILURES:
+            cause, remedy = _WRITE_FAILURES[os_err.errno]
+            return f"{name}: {cause}", remedy
+        return f"{name}: {os_err.strerror or os_err}", None
+    text = str(os_err or err).strip().splitlines()
+    return (f"{type(err).__name__}: {text[0]}" if text else type(err).__name__), None

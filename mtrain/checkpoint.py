@@ -24,7 +24,7 @@ from typing import Any, Iterable
 
 import torch
 
-from mtrain.atomic import atomic_write
+from mtrain.atomic import atomic_write, os_error_in
 from mtrain.config import config_from_dict
 from mtrain.ensemble import Ensemble
 from mtrain.errors import MtrainError
@@ -37,9 +37,16 @@ VERSION = 1
 
 def save_atomic(obj: dict[str, Any], path: str | Path) -> None:
     """torch.save through the atomic writer, fsynced: a reader (or a crash) never sees a
-    half-written checkpoint, and the previous file stays intact if the write fails."""
-    with atomic_write(path, binary=True, durable=True) as handle:
-        torch.save(obj, handle)
+    half-written checkpoint, and the previous file stays intact if the write fails. A failed
+    write raises the OSError (naming the file), not the RuntimeError torch wraps it in."""
+    try:
+        with atomic_write(path, binary=True, durable=True) as handle:
+            torch.save(obj, handle)
+    except RuntimeError as err:
+        cause = os_error_in(err)
+        if cause is None:
+            raise
+        raise OSError(cause.errno, cause.strerror or str(cause), cause.filename or str(path)) from err
 
 
 def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:

@@ -44,9 +44,17 @@ def friendly(fn: Callable) -> Callable:
             sys.stderr.close()
             raise typer.Exit(0) from None
         except OSError as err:  # an output path that is a folder (or a file), permissions, a full disk
+            from mtrain.atomic import describe_write_error
+
             where = err.filename2 or err.filename  # os.replace(tmp, target) names the target second
-            typer.echo(f"error: {f'{where}: ' if where else ''}{err.strerror or err}; check the path (a file where a "
-                       "folder is expected, or the reverse), its permissions and the free disk space", err=True)
+            cause, remedy = describe_write_error(err)
+            if remedy is None:
+                cause = err.strerror or str(err)
+                remedy = ("check the path (a file where a folder is expected, or the reverse), its permissions "
+                          "and the free disk space")
+            else:
+                remedy += " and re-run"
+            typer.echo(f"error: {f'{where}: ' if where else ''}{cause}; {remedy}", err=True)
             raise typer.Exit(1) from None
 
     return wrapper

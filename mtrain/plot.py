@@ -16,7 +16,11 @@ TIME_FIELDS = frozenset({"tokens_per_s", "elapsed_s", "valid_s"})
 
 class MetricsLog:
     """Append-only JSON-lines log. On resume, events after the resumed step are dropped: they came
-    from the part of a killed run that is about to be redone, and would otherwise appear twice."""
+    from the part of a killed run that is about to be redone, and would otherwise appear twice.
+
+    A failed append (a full disk) raises OSError and may leave a torn last line; the loop stops
+    before the next last.pt, so the record's step is past the one a resume starts from, and the
+    resumed run's rewrite drops it (read_metrics skips a torn line anyway)."""
 
     def __init__(self, path: str | Path, resume_step: int | None = None) -> None:
         self.path = Path(path)

@@ -4,25 +4,48 @@ encode every split and write the token-id cache that mtrain.data reads back.
 The folder holds, per split and side, `{split}.{side}.ids.npy` (int32 ids, concatenated),
 `{split}.{side}.offsets.npy` (int64, n + 1) and `{split}.{side}.txt` (the raw lines), plus
 spm.model (or spm.src.model and spm.tgt.model), stats.json and meta.json, written last: a folder
-without meta.json is an interrupted run."""
+without meta.json is an interrupted run. An earlier run's meta.json is deleted before the first
+write, and a failed write (a full disk, a file size limit) stops with one line naming the file, so
+a failure never leaves a folder that looks complete."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 from tqdm import tqdm
 
-from mtrain.atomic import atomic_write
+from mtrain.atomic import atomic_write, describe_write_error
 from mtrain.config import Config
 from mtrain.corpus import Pairs, clean_pairs, cleaning_report, read_corpus
 from mtrain.data import FORMAT_VERSION, SIDES, model_digest, to_ragged_arrays
 from mtrain.errors import MtrainError
 from mtrain.tokenizer import MODEL_TYPES, SPECIAL_IDS, Tokenizer
+
+
+@contextlib.contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """A failed write of `path` becomes one line: the file, the cause, and that the folder is incomplete."""
+    try:
+        yield
+    except OSError as err:
+        cause, remedy = describe_write_error(err)
+        raise MtrainError(f"{path}: write failed ({cause}); {path.parent} is incomplete (it has no meta.json); "
+                          f"{remedy or 'fix the cause'} and re-run `mtrain tokenize`") from None
+
+
+class _Writes:
+    """A file seen by numpy as a stream (write() only): np.save then writes through Python's file
+    object, whose failed write keeps its errno (ENOSPC, EFBIG), instead of through fwrite, whose
+    short write numpy reports without one."""
+
+    def __init__(self, handle: Any) -> None:
+        self.write = handle.write
 
 
 def _encode_chunked(encode, lines: list[str], bar, chunk: int = 20_000) -> list[list[int]]:
@@ -56,10 +79,12 @@ def write_split(out_dir: Path, split: str, tok: Tokenizer, pairs: Pairs, bar) ->
     lengths = {}
     for side, lines, encode in zip(SIDES, pairs, (tok.src.encode, tok.tgt.encode)):
         ids, offsets = to_ragged_arrays(_encode_chunked(encode, lines, bar))
-        np.save(out_dir / f"{split}.{side}.ids.npy", ids)
-        np.save(out_dir / f"{split}.{side}.offsets.npy", offsets)
+        for name, array in ((f"{split}.{side}.ids.npy", ids), (f"{split}.{side}.offsets.npy", offsets)):
+            with _writing(out_dir / name), open(out_dir / name, "wb") as handle:
+                np.save(_Writes(handle), array)
         # Joined with "\n" only, so that a reader splitting on "\n" gets exactly these lines back.
-        (out_dir / f"{split}.{side}.txt").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        with _writing(out_dir / f"{split}.{side}.txt"):
+            (out_dir / f"{split}.{side}.txt").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
         lengths[side] = np.diff(offsets)
     return length_stats(lengths["src"], lengths["tgt"])
 
@@ -108,7 +133,8 @@ def tokenize_corpus(
     # The folder is incomplete until meta.json is back; stale models of an earlier joint/separate run must go.
     for name in ("meta.json", "spm.model", "spm.src.model", "spm.tgt.model"):
         (out_dir / name).unlink(missing_ok=True)
-    tok.save(out_dir)
+    with _writing(out_dir / ("spm.model" if tok.joint else "spm.src.model + spm.tgt.model")):
+        tok.save(out_dir)
     split_stats = {}
     total = sum(len(pairs[0]) + len(pairs[1]) for pairs in corpus.values())
     with tqdm(total=total, desc="encoding", unit=" lines", file=sys.stderr, leave=False) as bar:
@@ -160,5 +186,5 @@ def _meta(cfg: Config, tok: Tokenizer, splits: list[str], source: str) -> dict[s
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    with atomic_write(path) as handle:
+    with _writing(path), atomic_write(path) as handle:
         handle.write(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")

@@ -9,6 +9,13 @@ Exact resume holds for the trackers too: a run resumed from last.pt at step S (a
 kill -9 at any moment) continues the same series, with nothing after S left from the process that
 was stopped and nothing missing up to S: the loop flushes the trackers before it writes last.pt.
 A tracker that a resumed run enables for the first time catches up from metrics.jsonl.
+
+A tracker that fails (a full disk under RUN/tensorboard/, a W&B error) stops the run with one line,
+like any other failed write of a run, rather than being reported and switched off: a tracker left
+off would keep a hole in its series that no resume fills (only a tracker new to a run catches up
+from metrics.jsonl), while a stop leaves last.pt and the tracker at the same point, and the same
+command, once the cause is fixed, continues both exactly. A full disk would stop the run at its
+next checkpoint anyway.
 """
 
 from __future__ import annotations
@@ -18,11 +25,12 @@ import os
 import re
 import secrets
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from mtrain.atomic import atomic_write
+from mtrain.atomic import atomic_write, describe_write_error
 from mtrain.config import Config, to_dict, to_yaml
 from mtrain.errors import MtrainError
 
@@ -32,7 +40,10 @@ TENSORBOARD_DIR = "tensorboard"  # RUN/tensorboard/: the event files
 
 class Tracker(Protocol):
     """What the loop calls: log(record) per metrics record; flush() after each validation and before
-    each last.pt; close(failed) once, at the end, on a stop or on an error."""
+    each last.pt; close(failed) once, at the end, on a stop or on an error. `where` is what it
+    writes (a folder of the run), for error messages."""
+
+    where: Path
 
     def log(self, record: dict[str, Any]) -> None: ...
 
@@ -94,20 +105,24 @@ class TensorBoardTracker:
     def __init__(self, run_dir: Path, cfg: Config, resume_step: int | None, history: list[dict[str, Any]]) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.log_dir = run_dir / TENSORBOARD_DIR
+        self.log_dir = self.where = run_dir / TENSORBOARD_DIR
         existing = sorted(self.log_dir.glob("events.out.tfevents.*"))
         _wait_past(existing)
-        try:
-            self.writer = SummaryWriter(str(self.log_dir), purge_step=0 if resume_step is None else resume_step + 1,
-                                        flush_secs=30)
-        except Exception as err:
-            raise MtrainError(f"{self.log_dir}: cannot write TensorBoard events ({_first_line(err)}); "
-                              "check the folder's permissions and free space, or drop tensorboard from train.log_to") from None
+        _quiet_writer_threads()
+        self.writer = SummaryWriter(str(self.log_dir), purge_step=0 if resume_step is None else resume_step + 1,
+                                    flush_secs=30)
         if resume_step is None or not existing:  # a new series: the config, then what metrics.jsonl holds
-            self.writer.add_text("config", "\n".join("    " + line for line in to_yaml(cfg).splitlines()), 0)
-            for record in history:
-                self.log(record)
-            self.flush()
+            try:
+                self.writer.add_text("config", "\n".join("    " + line for line in to_yaml(cfg).splitlines()), 0)
+                for record in history:
+                    self.log(record)
+                self.flush()
+            except BaseException:
+                try:
+                    self.writer.close()
+                except Exception:
+                    pass  # the first error is the one to report
+                raise
 
     def log(self, record: dict[str, Any]) -> None:
         step = int(record["step"])
@@ -121,6 +136,26 @@ class TensorBoardTracker:
 
     def close(self, failed: bool) -> None:
         self.writer.close()
+
+
+def _quiet_writer_threads() -> None:
+    """TensorBoard writes from a thread of its own; a failed write ends that thread with a traceback
+    on stderr, and the same error comes back from the writer's next call in the training process,
+    which stops the run with one line. Keep the thread's traceback off stderr (once per process)."""
+    try:
+        from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+    except ImportError:  # another tensorboard layout: its tracebacks stay
+        return
+    previous = threading.excepthook
+    if getattr(previous, "mtrain_quiet", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not isinstance(args.thread, _AsyncWriterThread):
+            previous(args)
+
+    hook.mtrain_quiet = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 def _wait_past(files: list[Path]) -> None:
@@ -144,13 +179,17 @@ class WandbTracker:
         import wandb
 
         self.wandb = wandb
+        self.where = run_dir / "wandb"
         id_file = run_dir / WANDB_ID_FILE
         run_id = id_file.read_text(encoding="utf-8").strip() if resume_step is not None and id_file.is_file() else ""
         new = not run_id
         if new:  # a fresh start begins a new W&B run, as metrics.jsonl begins anew
             run_id = secrets.token_hex(8)
-            with atomic_write(id_file) as handle:
-                handle.write(run_id + "\n")
+            try:
+                with atomic_write(id_file) as handle:
+                    handle.write(run_id + "\n")
+            except OSError as err:
+                raise tracker_error("wandb", id_file, err, run_dir) from None
         try:
             self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or "mtrain", dir=str(run_dir), id=run_id,
                                   name=run_dir.resolve().name, resume="allow", config=to_dict(cfg))
@@ -184,19 +223,41 @@ class WandbTracker:
 TRACKERS = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker}
 
 
-class Trackers:
-    """The trackers of train.log_to, used as one (none: every call does nothing)."""
+def tracker_error(name: str, where: Path | None, err: BaseException, run_dir: Path | None = None) -> MtrainError:
+    """The line that stops a run whose tracker failed: what it writes, the cause, what to do."""
+    where = where or run_dir or f"train.log_to={name}"
+    cause, remedy = describe_write_error(err)
+    folder = f"the checkpoints in {run_dir}" if run_dir is not None else "the checkpoints"
+    return MtrainError(f"{where}: the {name} tracker failed ({cause}); metrics.jsonl and {folder} are intact; "
+                       f"{remedy or 'fix the cause'} and re-run the same command to resume "
+                       f"(or drop {name} from train.log_to)")
 
-    def __init__(self, trackers: list[tuple[str, Tracker]] | None = None) -> None:
+
+class Trackers:
+    """The trackers of train.log_to, used as one (none: every call does nothing). A tracker whose
+    call fails is closed and dropped, and the failure comes back as one MtrainError line."""
+
+    def __init__(self, trackers: list[tuple[str, Tracker]] | None = None, run_dir: Path | None = None) -> None:
         self.trackers = trackers or []
+        self.run_dir = run_dir
+
+    def _each(self, call: str, *args: Any) -> None:
+        for name, tracker in list(self.trackers):
+            try:
+                getattr(tracker, call)(*args)
+            except Exception as err:
+                self.trackers.remove((name, tracker))
+                try:
+                    tracker.close(True)
+                except Exception:
+                    pass  # the error below says what failed
+                raise tracker_error(name, getattr(tracker, "where", None), err, self.run_dir) from None
 
     def log(self, record: dict[str, Any]) -> None:
-        for _, tracker in self.trackers:
-            tracker.log(record)
+        self._each("log", record)
 
     def flush(self) -> None:
-        for _, tracker in self.trackers:
-            tracker.flush()
+        self._each("flush")
 
     def close(self, failed: bool = False) -> None:
         """Close every tracker; a failure to close is reported, never raised over the run's outcome."""
@@ -214,10 +275,17 @@ def open_trackers(targets: tuple[str, ...] | list[str], run_dir: Path, cfg: Conf
     """Open the trackers of train.log_to for a run starting fresh (resume_step None) or resumed
     at resume_step; history is what metrics.jsonl keeps, for a tracker new to the run."""
     check_available(targets)
-    opened = Trackers()
+    opened = Trackers(run_dir=Path(run_dir))
     try:
         for target in dict.fromkeys(targets):
-            opened.trackers.append((target, TRACKERS[target](Path(run_dir), cfg, resume_step, history)))
+            try:
+                tracker = TRACKERS[target](Path(run_dir), cfg, resume_step, history)
+            except MtrainError:
+                raise
+            except Exception as err:  # its folder cannot be written, its first records fail
+                where = Path(run_dir) / (TENSORBOARD_DIR if target == "tensorboard" else "wandb")
+                raise tracker_error(target, where, err, Path(run_dir)) from None
+            opened.trackers.append((target, tracker))
     except BaseException:
         opened.close(failed=True)
         raise

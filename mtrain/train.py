@@ -1,6 +1,16 @@
 """The training loop: `Trainer` holds one run's parts (data, model, optimizer, TrainState) and does
 the single jobs (resume, one update, validate, save); `Run` is the loop around them (logging
-windows, validation and saving cadence, stopping). Exact resume: re-run the same command."""
+windows, validation and saving cadence, stopping). Exact resume: re-run the same command.
+
+One trainer per run folder: `train` holds RUN/.lock (mtrain.lock) from before the first write to
+the end of the run; under torchrun only rank 0 takes it, as rank 0 alone writes.
+
+Every write of a run (checkpoints, metrics.jsonl, plot.png, config.yaml, the trackers, deleting
+old step files, averaged.pt) that fails stops the run with one line naming the file and the
+cause. Each write happens before the last.pt that follows it, so the last.pt on disk is always
+the commit point of resume: the same command, once the cause is fixed, ends bit-identical to an
+uninterrupted run. Under DDP a failure on rank 0 stops every rank at the next point where they
+all meet, so none is left waiting in a collective."""
 
 from __future__ import annotations
 
@@ -14,7 +24,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -23,12 +33,13 @@ from tqdm import tqdm
 
 from mtrain import checkpoint, tracking
 from mtrain import distributed as dist_utils
-from mtrain.atomic import atomic_write
+from mtrain.atomic import atomic_write, describe_write_error
 from mtrain.config import Config, replace, to_dict, to_yaml
 from mtrain.data import BatchStream, SubwordSampler, TokenizedData, collate, make_batches, stream_target_tokens, target_tokens
 from mtrain.errors import MtrainError
 from mtrain.evaluate import score
 from mtrain.hardware import amp_note, resolve_amp, resolve_device
+from mtrain.lock import RunLock
 from mtrain.loss import Objective, forward_backward
 from mtrain.model import Transformer
 from mtrain.plot import MetricsLog, plot_metrics
@@ -294,12 +305,22 @@ class Trainer:
         self._save(self._ckpt(None), self.run_dir / "best.pt")
 
     def _save(self, obj: dict[str, Any], path: Path) -> None:
-        try:
+        # Any exception: disk full, a file size limit, permissions, a vanished folder, torch's wrapping of them.
+        with self.writing(path, "checkpoint write", Exception):
             checkpoint.save_atomic(obj, path)
-        except Exception as err:  # disk full, permissions, a vanished folder
-            raise MtrainError(
-                f"{path}: checkpoint write failed ({type(err).__name__}: {err}); the previous checkpoints in "
-                f"{self.run_dir} are intact; free disk space and re-run the same command to resume") from None
+
+    @contextlib.contextmanager
+    def writing(self, path: Path, what: str, catch: type[BaseException] = OSError) -> Iterator[None]:
+        """Turn a failed write of `path` into the one line that stops the run: the file, the cause
+        (ENOSPC, EFBIG, EIO, ...) and what to do."""
+        try:
+            yield
+        except MtrainError:
+            raise
+        except catch as err:
+            cause, remedy = describe_write_error(err)
+            raise MtrainError(f"{path}: {what} failed ({cause}); the previous checkpoints in {self.run_dir} are "
+                              f"intact; {remedy or 'fix the cause'} and re-run the same command to resume") from None
 
     def train_state(self, rngs: list[dict[str, Any]]) -> dict[str, Any]:
         self.state.epoch, self.state.batch_index = self.stream.epoch, self.stream.index
@@ -307,16 +328,19 @@ class Trainer:
                 "scaler": self.scaler.state_dict() if self.scaler is not None else {},
                 "state": dataclasses.asdict(self.state), "rng": rngs, "world_size": self.dist.world_size}
 
-    def save_last(self, with_step_file: bool) -> None:
-        """RUN/step-N.pt (model only, pruned to keep_last and keep_every), then RUN/last.pt, the commit point of
-        resume. Rank 0 writes; a failure there stops every rank."""
+    def save_last(self, with_step_file: bool, average: bool = False, failure: MtrainError | None = None) -> None:
+        """RUN/step-N.pt (model only, pruned to keep_last and keep_every), RUN/averaged.pt at the end of a run
+        (average), then RUN/last.pt, the commit point of resume. Rank 0 writes; a failure there, or one rank 0
+        met since the last save (failure), stops every rank, and last.pt stays the previous one."""
         rngs = self._gather_rngs()
-        error: MtrainError | None = None
-        if self.dist.is_main:
+        error = failure
+        if self.dist.is_main and error is None:
             try:
                 if with_step_file:
                     self._save(self._ckpt(None), self.run_dir / f"step-{self.state.step}.pt")
                     self._prune_step_files()
+                if average:
+                    self._average()
                 self._save(self._ckpt(self.train_state(rngs)), self.run_dir / "last.pt")
             except MtrainError as err:
                 error = err
@@ -341,7 +365,17 @@ class Trainer:
         files = checkpoint.step_checkpoints(self.run_dir)
         for step, path in files[:-keep] if keep > 0 else files:
             if not (every > 0 and step % every == 0):
-                path.unlink(missing_ok=True)
+                with self.writing(path, "deleting an old step checkpoint"):
+                    path.unlink(missing_ok=True)
+
+    def _average(self) -> None:
+        """RUN/averaged.pt: the mean of the last average_last step files; written before the last.pt
+        that marks the run finished, so a finished run always has it."""
+        files = self.step_files()[-self.tcfg.average_last:]
+        out = self.run_dir / "averaged.pt"
+        with self.writing(out, "checkpoint write", Exception):
+            checkpoint.average_checkpoints(files, out)
+        self.log(f"averaged {len(files)} checkpoints -> {out}")
 
     # ------------------------------------------------------------ logging
 
@@ -361,6 +395,34 @@ class Run:
         self.trackers = tracking.Trackers()  # train.log_to, on the main rank once open_trackers ran
         self.resume_step: int | None = None
         self.started = time.perf_counter()
+        self.failure: MtrainError | None = None  # a failed write on rank 0, waiting for the ranks to meet (DDP)
+
+    # ------------------------------------------------------------ failed writes
+
+    def fail(self, err: MtrainError) -> None:
+        """A write failed on the main rank. One process stops at once; under DDP the error waits
+        for the next point where every rank meets (check_failure, the per-step flags, save_last),
+        so that all stop together and none is left waiting in a collective."""
+        if not self.tr.dist.enabled:
+            raise err
+        if self.failure is None:
+            self.failure = err
+
+    def check_failure(self) -> None:
+        """Every rank: stop if rank 0 met a failed write."""
+        if self.tr.dist.enabled and dist_utils.any_rank(self.failure is not None, self.tr.dist, self.tr.device):
+            raise self._failure_error()
+
+    def _failure_error(self) -> MtrainError:
+        return self.failure or MtrainError(f"rank 0 failed to write to {self.tr.run_dir}; see its error line, fix the "
+                                           "cause and re-run the same command to resume")
+
+    def _flags(self, *flags: bool) -> list[bool]:
+        """Each flag raised on any rank (one collective for all of them)."""
+        if not self.tr.dist.enabled:
+            return list(flags)
+        values = torch.tensor([1.0 if f else 0.0 for f in flags], device=self.tr.device)
+        return [v > 0 for v in dist_utils.all_reduce_sum(values, self.tr.dist).tolist()]
 
     def start(self) -> None:
         tr = self.tr
@@ -368,13 +430,11 @@ class Run:
         resumed = tr.resume()
         self.resume_step = tr.state.step if resumed else None
         if tr.dist.is_main:
-            tr.run_dir.mkdir(parents=True, exist_ok=True)
-            # A write killed by kill -9 or a crash leaves its temp file (a checkpoint's size each time).
-            for stale in tr.run_dir.glob(".*.pt.*.tmp"):
-                stale.unlink(missing_ok=True)
-            with atomic_write(tr.run_dir / "config.yaml") as handle:  # a kill never leaves half a file
-                handle.write(to_yaml(tr.cfg))
-            self.metrics = MetricsLog(tr.run_dir / "metrics.jsonl", resume_step=tr.state.step if resumed else None)
+            try:
+                self._prepare_folder(resumed)
+            except MtrainError as err:
+                self.fail(err)
+        self.check_failure()
         if not resumed:
             tr.log(f"training {sum(p.numel() for p in tr.model.parameters()):,} parameters on {tr.device} "
                    f"({tr.dist.world_size} process(es)); run folder {tr.run_dir}")
@@ -383,16 +443,43 @@ class Run:
         if note and not resumed:
             tr.log(note)
 
+    def _prepare_folder(self, resumed: bool) -> None:
+        """Rank 0: clear what killed writes left, write config.yaml, open metrics.jsonl."""
+        tr = self.tr
+        with tr.writing(tr.run_dir, "creating the run folder"):
+            tr.run_dir.mkdir(parents=True, exist_ok=True)
+        # A write killed by kill -9 or a crash leaves its temp file (a checkpoint's size each time).
+        for pattern in (".*.pt.*.tmp", ".config.yaml.*.tmp", ".metrics.jsonl.*.tmp", ".plot.png.*.tmp",
+                        f".{tracking.WANDB_ID_FILE}.*.tmp"):
+            for stale in tr.run_dir.glob(pattern):
+                with tr.writing(stale, "deleting a killed write's temp file"):
+                    stale.unlink(missing_ok=True)
+        with tr.writing(tr.run_dir / "config.yaml", "config write"):
+            with atomic_write(tr.run_dir / "config.yaml") as handle:  # a kill never leaves half a file
+                handle.write(to_yaml(tr.cfg))
+        with tr.writing(tr.run_dir / "metrics.jsonl", "metrics write"):
+            self.metrics = MetricsLog(tr.run_dir / "metrics.jsonl", resume_step=tr.state.step if resumed else None)
+
     def open_trackers(self) -> None:
         """TensorBoard / W&B (train.log_to), on the main rank; they continue the series on resume."""
         if self.metrics is not None and self.tr.tcfg.log_to:
-            self.trackers = tracking.open_trackers(self.tr.tcfg.log_to, self.tr.run_dir, self.tr.cfg,
-                                                   self.resume_step, self.metrics.records)
+            try:
+                self.trackers = tracking.open_trackers(self.tr.tcfg.log_to, self.tr.run_dir, self.tr.cfg,
+                                                       self.resume_step, self.metrics.records)
+            except MtrainError as err:
+                self.fail(err)
+        self.check_failure()
 
     def record(self, event: dict[str, Any]) -> None:
-        if self.metrics is not None:
-            self.metrics.write(event)
+        """One metrics record: metrics.jsonl, then the trackers (rank 0; a failure stops the run)."""
+        if self.metrics is None or self.failure is not None:
+            return
+        try:
+            with self.tr.writing(self.metrics.path, "metrics write"):
+                self.metrics.write(event)
             self.trackers.log(event)
+        except MtrainError as err:
+            self.fail(err)
 
     def log_window(self, stats: dict[str, float], seconds: float) -> None:
         w = self.tr.state.window
@@ -415,38 +502,62 @@ class Run:
         """Validate on rank 0; returns True when early stopping says stop (decided on rank 0)."""
         tr, s = self.tr, self.tr.state
         stop = False
-        if tr.dist.is_main:
-            began = time.perf_counter()
-            result = tr.validate()
-            result["valid_s"] = round(time.perf_counter() - began, 1)
-            improved = result["bleu"] > s.best_bleu
-            if improved:
-                s.best_bleu, s.best_step, s.bad_evals = result["bleu"], s.step, 0
-                tr.save_best()
-            else:
-                s.bad_evals += 1
-            self.record({"event": "valid", "step": s.step, **result, "best_bleu": s.best_bleu, "best_step": s.best_step})
-            tr.log(f"step {s.step}: valid loss {result['loss']:.3f} ppl {result['ppl']:.2f} BLEU {result['bleu']:.2f} "
-                   f"chrF {result['chrf']:.2f}" + (" (best)" if improved else f" (best {s.best_bleu:.2f} at {s.best_step})"))
-            tr.log("\n".join(f"  src: {x['src']}\n  ref: {x['ref']}\n  hyp: {x['hyp']}" for x in result["samples"]))
-            self.trackers.flush()
-            self.plot()
-            stop = 0 < tr.tcfg.patience <= s.bad_evals
-            if stop:
-                tr.log(f"early stopping: no BLEU gain in {s.bad_evals} validations (best {s.best_bleu:.2f} at step {s.best_step})")
+        if tr.dist.is_main and self.failure is None:
+            try:
+                stop = self._validate_main()
+            except MtrainError as err:
+                self.fail(err)
         s.last_eval_step = s.step
+        self.check_failure()
         # Only rank 0 keeps the early-stopping counters (it alone saves); everyone learns its decision.
         stop = dist_utils.broadcast_flag(stop, tr.dist, tr.device)
         return stop
 
-    def plot(self) -> None:
-        if self.metrics is not None:
-            plot_metrics(self.metrics.records, self.tr.run_dir / "plot.png")
-
-    def save_last(self, with_step_file: bool) -> None:
-        """Flush the trackers, then write last.pt: whatever a resume from it keeps is on disk."""
+    def _validate_main(self) -> bool:
+        """Rank 0's part of a validation: score, best.pt, the record, the plot; True to stop early."""
+        tr, s = self.tr, self.tr.state
+        began = time.perf_counter()
+        result = tr.validate()
+        result["valid_s"] = round(time.perf_counter() - began, 1)
+        improved = result["bleu"] > s.best_bleu
+        if improved:
+            s.best_bleu, s.best_step, s.bad_evals = result["bleu"], s.step, 0
+            tr.save_best()
+        else:
+            s.bad_evals += 1
+        self.record({"event": "valid", "step": s.step, **result, "best_bleu": s.best_bleu, "best_step": s.best_step})
+        tr.log(f"step {s.step}: valid loss {result['loss']:.3f} ppl {result['ppl']:.2f} BLEU {result['bleu']:.2f} "
+               f"chrF {result['chrf']:.2f}" + (" (best)" if improved else f" (best {s.best_bleu:.2f} at {s.best_step})"))
+        tr.log("\n".join(f"  src: {x['src']}\n  ref: {x['ref']}\n  hyp: {x['hyp']}" for x in result["samples"]))
+        if self.failure is not None:  # the record failed (DDP: it waits for the ranks to meet)
+            return False
         self.trackers.flush()
-        self.tr.save_last(with_step_file)
+        self.plot()
+        stop = 0 < tr.tcfg.patience <= s.bad_evals
+        if stop:
+            tr.log(f"early stopping: no BLEU gain in {s.bad_evals} validations (best {s.best_bleu:.2f} at step {s.best_step})")
+        return stop
+
+    def plot(self) -> None:
+        """RUN/plot.png (rank 0; a failure stops the run)."""
+        if self.metrics is None or self.failure is not None:
+            return
+        path = self.tr.run_dir / "plot.png"
+        try:
+            with self.tr.writing(path, "plot write"):
+                plot_metrics(self.metrics.records, path)
+        except MtrainError as err:
+            self.fail(err)
+
+    def save_last(self, with_step_file: bool, average: bool = False) -> None:
+        """Flush the trackers, then write last.pt: whatever a resume from it keeps is on disk.
+        A write that failed on rank 0 since the last save stops every rank here instead."""
+        if self.failure is None:
+            try:
+                self.trackers.flush()
+            except MtrainError as err:
+                self.fail(err)
+        self.tr.save_last(with_step_file, average, failure=self.failure)
 
     def loop(self, stop_signal: StopSignal) -> str:
         """Updates until max_steps, early stopping or a signal. Returns why it stopped."""
@@ -473,7 +584,11 @@ class Run:
                 if early:
                     reason = "early_stopping"
                     break
-                interrupted = dist_utils.any_rank(stop_signal.signum is not None, tr.dist, tr.device)
+                interrupted, failed = self._flags(stop_signal.signum is not None, self.failure is not None)
+                if failed:
+                    raise self._failure_error()
+                if interrupted:
+                    self.plot()  # before last.pt, like every write
                 if step % t.save_every == 0 or interrupted:
                     self.save_last(with_step_file=step % t.save_every == 0)
                 if interrupted:
@@ -483,18 +598,16 @@ class Run:
         return reason
 
     def finish(self, reason: str) -> None:
-        """Final validation (if the last step had none), last.pt + step file, averaging, plot."""
+        """Final validation (if the last step had none), plot, then step file, averaged.pt and
+        last.pt: a last.pt that says the run finished comes after every other file of the run."""
         tr, s = self.tr, self.tr.state
         if s.last_eval_step != s.step:
             self.validate()
+        self.plot()
         # Always rewrite last.pt: the final validation changed best/early-stopping state.
         s.finished = reason
-        self.save_last(with_step_file=not (tr.run_dir / f"step-{s.step}.pt").is_file())
-        if tr.dist.is_main and tr.tcfg.average_last > 0:
-            files = tr.step_files()[-tr.tcfg.average_last:]
-            checkpoint.average_checkpoints(files, tr.run_dir / "averaged.pt")
-            tr.log(f"averaged {len(files)} checkpoints -> {tr.run_dir / 'averaged.pt'}")
-        self.plot()
+        self.save_last(with_step_file=not (tr.run_dir / f"step-{s.step}.pt").is_file(),
+                       average=tr.tcfg.average_last > 0)
 
 
 def summarize(trainer: Trainer) -> dict[str, Any]:
@@ -529,15 +642,33 @@ def train(cfg: Config, data_dir: str | Path, run_dir: str | Path | None, device:
         torch.set_num_threads(cfg.train.num_threads)
     dist_utils.setup(info, torch_device)
     try:
-        trainer = Trainer(cfg, Path(data_dir), Path(run_dir or "."), torch_device, info)
-        if dry_run:
-            summary = summarize(trainer)
-            if info.is_main:
-                print(json.dumps(summary, indent=2))
-            return summary
-        return _run(trainer)
+        with contextlib.ExitStack() as stack:
+            if not dry_run:  # a dry run writes nothing
+                lock_run_folder(stack, Path(run_dir or "."), info, torch_device)
+            trainer = Trainer(cfg, Path(data_dir), Path(run_dir or "."), torch_device, info)
+            if dry_run:
+                summary = summarize(trainer)
+                if info.is_main:
+                    print(json.dumps(summary, indent=2))
+                return summary
+            return _run(trainer)
     finally:
         dist_utils.teardown(info)
+
+
+def lock_run_folder(stack: contextlib.ExitStack, run_dir: Path, info: dist_utils.DistInfo,
+                    device: torch.device) -> None:
+    """Rank 0 takes RUN/.lock (held until `stack` closes, at the end of the run) before anything is
+    written there; the other ranks of the job never try (rank 0 alone writes), and stop with it
+    when the folder is in use."""
+    error: MtrainError | None = None
+    if info.is_main:
+        try:
+            stack.enter_context(RunLock(run_dir))
+        except MtrainError as err:
+            error = err
+    if dist_utils.any_rank(error is not None, info, device):
+        raise error or MtrainError(f"{run_dir}: rank 0 could not lock the run folder; see its error line")
 
 
 def _run(trainer: Trainer) -> dict[str, Any]:
@@ -558,7 +689,6 @@ def _run(trainer: Trainer) -> dict[str, Any]:
             # A run killed during finish() resumes straight into it (step == max_steps, not finished).
             reason = run.loop(stop_signal) if s.step < t.max_steps else "max_steps"
             if reason == "interrupted":
-                run.plot()
                 trainer.log(f"stopped at step {s.step}; {trainer.run_dir / 'last.pt'} saved; "
                             "re-run the same command to resume")
             else:
