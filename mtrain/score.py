@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -16,8 +17,8 @@ from mtrain.checkpoint import load_models
 from mtrain.hardware import resolve_device
 from mtrain.search import Decoder
 from mtrain.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
-from mtrain.translate import (CHUNK_LINES, atomic_output, check_parallel, decode_batches, open_input, pad_sources,
-                              paired_chunks, read_chunks, warn_cut)
+from mtrain.translate import (CHUNK_LINES, atomic_output, char_cap, check_parallel, decode_batches, encode_capped,
+                              open_input, pad_sources, paired_chunks, read_chunks, warn_cut)
 
 
 def pad_targets(seqs: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,17 +40,28 @@ def score_batch(model: Decoder, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out
     return logp.masked_fill(tgt_out == PAD_ID, 0.0).double().sum(dim=1).tolist()
 
 
+def encode_pairs(tokenizer: Tokenizer, sources: list[str], targets: list[str],
+                 max_len: int) -> tuple[list[list[int]], list[list[int]], Counter[str]]:
+    """Source and target ids, both sides cut to max_len - 1 tokens as translate cuts its input (a
+    longer target would cost attention over all of it), and the lines cut per side."""
+    src_ids, src_cut = encode_capped(tokenizer.src, sources, max_len)
+    tgt_ids, tgt_cut = encode_capped(tokenizer.tgt, targets, max_len)
+    return src_ids, tgt_ids, Counter(source=src_cut, target=tgt_cut)
+
+
 def score_pairs(model: Decoder, tokenizer: Tokenizer, sources: list[str], targets: list[str], max_tokens: int,
                 device: torch.device | str, bar=None) -> tuple[list[tuple[float, int]], int]:
     """(log p(target | source), scored tokens with EOS) per pair, in input order, and the number of
-    sources cut to the model's max_len (as translate cuts them). An empty target scores its EOS."""
+    lines (sources and targets) cut to the model's max_len. An empty target scores its EOS."""
+    src_ids, tgt_ids, cuts = encode_pairs(tokenizer, sources, targets, model.cfg.max_len)
+    return score_ids(model, src_ids, tgt_ids, max_tokens, device, bar), sum(cuts.values())
+
+
+def score_ids(model: Decoder, src_ids: list[list[int]], tgt_ids: list[list[int]], max_tokens: int,
+              device: torch.device | str, bar=None) -> list[tuple[float, int]]:
+    """score_pairs on encoded pairs."""
     device = torch.device(device)
-    limit = model.cfg.max_len - 1  # room for EOS
-    src_ids = tokenizer.src.encode([line if line.strip() else "" for line in sources])
-    tgt_ids = tokenizer.tgt.encode([line if line.strip() else "" for line in targets])
-    n_cut = sum(len(seq) > limit for seq in src_ids)
-    src_ids = [seq[:limit] for seq in src_ids]
-    results: list[tuple[float, int]] = [(0.0, 0)] * len(sources)
+    results: list[tuple[float, int]] = [(0.0, 0)] * len(src_ids)
     for rows in decode_batches([max(len(s), len(t)) for s, t in zip(src_ids, tgt_ids)], max_tokens):
         src = pad_sources([src_ids[i] for i in rows], device)
         tgt_in, tgt_out = pad_targets([tgt_ids[i] for i in rows], device)
@@ -57,7 +69,7 @@ def score_pairs(model: Decoder, tokenizer: Tokenizer, sources: list[str], target
             results[i] = (total, len(tgt_ids[i]) + 1)
         if bar is not None:
             bar.update(len(rows))
-    return results, n_cut
+    return results
 
 
 def format_scores(results: list[tuple[float, int]], as_json: bool) -> str:
@@ -76,13 +88,14 @@ def score_file(checkpoints: str | Path | list[str | Path], src: str, tgt: str, o
     resolved = resolve_device(device)
     with open_input(src) as (handle, name, _), open(tgt, "rb") as targets:
         model, tokenizer, _ = load_models(checkpoints, resolved)
-        n_cut = 0
+        max_len = model.cfg.max_len
+        cuts: Counter[str] = Counter()
         with atomic_output(output) as sink, tqdm(unit=" pairs", file=sys.stderr, leave=False) as bar:
-            pairs = paired_chunks(read_chunks(handle, name, CHUNK_LINES), read_chunks(targets, tgt, CHUNK_LINES),
-                                  tgt, name)
+            pairs = paired_chunks(read_chunks(handle, name, CHUNK_LINES, char_cap(max_len)),
+                                  read_chunks(targets, tgt, CHUNK_LINES, char_cap(max_len)), tgt, name)
             for sources, lines in pairs:
-                results, cut = score_pairs(model, tokenizer, sources, lines, max_tokens, resolved, bar)
-                sink.write(format_scores(results, as_json))
+                src_ids, tgt_ids, cut = encode_pairs(tokenizer, sources, lines, max_len)
+                sink.write(format_scores(score_ids(model, src_ids, tgt_ids, max_tokens, resolved, bar), as_json))
                 sink.flush()
-                n_cut += cut
-        warn_cut(n_cut, model.cfg.max_len)
+                cuts += cut
+        warn_cut(cuts, max_len)

@@ -3,10 +3,13 @@ input order, detokenize; and `mtrain translate`'s streaming, line-aligned, atomi
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import dataclasses
+import itertools
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import IO, Any, Iterator
 
@@ -21,9 +24,19 @@ from mtrain.data import make_batches
 from mtrain.errors import MtrainError
 from mtrain.hardware import resolve_device
 from mtrain.search import Decoder, Sampling, beam_search, greedy_search, sample, stream_key
-from mtrain.tokenizer import EOS_ID, PAD_ID, Tokenizer
+from mtrain.tokenizer import EOS_ID, PAD_ID, Side, Tokenizer
 
 CHUNK_LINES = 2000  # lines read, translated and written at a time: memory stays bounded on big inputs
+# Characters of one line that reach SentencePiece, per token of the model's max_len. A piece is at
+# most 16 characters (SentencePiece's max_sentencepiece_length, which mtrain's tokenizer training
+# keeps), so the max_len - 1 tokens that survive the cut cover at most 16 * (max_len - 1)
+# characters of normalized text, and pieces never span a space, so cutting a later word cannot
+# change the pieces of earlier ones. Normalization shrinks text only by collapsing runs of
+# whitespace and dropping invisible characters (zero-width spaces, direction marks); 64 leaves
+# room for 48 of those per token before the cut could reach a surviving token, far more than
+# text has. A 10 MB line then costs what a long sentence costs.
+CHARS_PER_TOKEN = 64
+READ_BLOCK = 1 << 20  # bytes read at a time from the dropped rest of an overlong line
 # Everything str.splitlines() breaks on: a translation must never add a line to the output.
 LINE_BREAKS = re.compile("[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
 
@@ -95,22 +108,36 @@ def _sampling(decode: DecodeConfig) -> Sampling:
     return Sampling(topk=decode.topk, topp=decode.topp, temperature=decode.temperature)
 
 
+def char_cap(max_len: int) -> int:
+    """Characters of one line handed to SentencePiece for a model of this max_len (see CHARS_PER_TOKEN)."""
+    return CHARS_PER_TOKEN * max_len
+
+
+def encode_capped(side: Side, lines: list[str], max_len: int) -> tuple[list[list[int]], int]:
+    """Ids of each line cut to max_len - 1 tokens (room for EOS), and the number of lines cut.
+    Only the first char_cap(max_len) characters of a line are encoded (a longer line counts as
+    cut); a line that is empty or whitespace there encodes as []."""
+    cap, limit = char_cap(max_len), max_len - 1
+    heads = [line[:cap] for line in lines]
+    ids = side.encode([head if head.strip() else "" for head in heads])
+    n_cut = sum(len(line) > cap or len(seq) > limit for line, seq in zip(lines, ids))
+    return [seq[:limit] for seq in ids], n_cut
+
+
 def translate_nbest(model: Decoder, tokenizer: Tokenizer, lines: list[str], decode: DecodeConfig, device: torch.device | str,
                     stats: dict[str, Any] | None = None, bar=None, prefixes: list[str] | None = None,
-                    first_line: int = 0) -> tuple[Hypotheses, int]:
+                    first_line: int = 0) -> tuple[Hypotheses, Counter[str]]:
     """The n-best (text, score) of each line in input order, and the number of lines cut to the
-    model's max_len. prefixes[i] (raw target text; "" = none) starts line i's translation.
-    first_line: the number of lines[0] in the whole input (sampling draws by line number, so
-    samples do not depend on how the input is cut into chunks and batches). Empty and
-    whitespace-only lines get `decode.nbest` translations that are just their prefix (score 0.0)
-    without running the model."""
+    model's max_len: {"input": n, "prefix": m}. prefixes[i] (raw target text; "" = none) starts
+    line i's translation. first_line: the number of lines[0] in the whole input (sampling draws by
+    line number, so samples do not depend on how the input is cut into chunks and batches). Empty
+    and whitespace-only lines get `decode.nbest` translations that are just their prefix (score
+    0.0) without running the model."""
     check_decode(decode)
     device = torch.device(device)
-    ids = tokenizer.src.encode([line if line.strip() else "" for line in lines])
-    forced = tokenizer.tgt.encode(prefixes) if prefixes is not None else None
-    limit = model.cfg.max_len - 1  # room for EOS
-    n_cut = sum(len(seq) > limit for seq in ids)
-    ids = [seq[:limit] for seq in ids]
+    ids, n_cut = encode_capped(tokenizer.src, lines, model.cfg.max_len)
+    forced, n_forced_cut = (None, 0) if prefixes is None else encode_capped(tokenizer.tgt, prefixes, model.cfg.max_len)
+    cuts = Counter(input=n_cut, prefix=n_forced_cut)
     bare = tokenizer.tgt.decode(forced) if forced is not None else [""] * len(lines)
     results: Hypotheses = [[(LINE_BREAKS.sub(" ", text), 0.0)] * decode.nbest for text in bare]
     todo = [i for i, seq in enumerate(ids) if seq]
@@ -130,12 +157,14 @@ def translate_nbest(model: Decoder, tokenizer: Tokenizer, lines: list[str], deco
             bar.update(len(rows))
     if bar is not None:
         bar.update(len(lines) - len(todo))
-    return results, n_cut
+    return results, cuts
 
 
-def warn_cut(n_cut: int, max_len: int) -> None:
-    if n_cut:
-        print(f"warning: {n_cut} input line(s) longer than the model's max_len ({max_len} tokens) were cut to fit",
+def warn_cut(cuts: Counter[str], max_len: int) -> None:
+    """One warning line for all the lines cut, by kind: '3 input line(s) and 1 prefix line(s) ...'."""
+    counts = [f"{n} {kind} line(s)" for kind, n in cuts.items() if n]
+    if counts:
+        print(f"warning: {' and '.join(counts)} longer than the model's max_len ({max_len} tokens) were cut to fit",
               file=sys.stderr)
 
 
@@ -145,8 +174,8 @@ def translate_lines(model: Decoder, tokenizer: Tokenizer, lines: list[str], deco
     `stats` is the checkpoint's stats.json (see length_slope); `progress` shows tqdm on stderr."""
     one_best = dataclasses.replace(decode, nbest=1)
     with tqdm(total=len(lines), unit=" lines", file=sys.stderr, disable=not progress, leave=False) as bar:
-        results, n_cut = translate_nbest(model, tokenizer, lines, one_best, device, stats, bar)
-    warn_cut(n_cut, model.cfg.max_len)
+        results, cuts = translate_nbest(model, tokenizer, lines, one_best, device, stats, bar)
+    warn_cut(cuts, model.cfg.max_len)
     return [nbest[0][0] for nbest in results]
 
 
@@ -161,19 +190,55 @@ def translate_checkpoints(checkpoints: str | Path | list[str | Path], lines: lis
 
 # --- files -------------------------------------------------------------------------------------
 
-def read_chunks(handle: IO[bytes], name: str, size: int) -> Iterator[list[str]]:
-    """Lines (without their newline) in lists of `size`; invalid UTF-8 names the line."""
-    chunk: list[str] = []
-    for number, raw in enumerate(handle, 1):
+def read_lines(handle: IO[bytes], name: str, max_chars: int | None = None) -> Iterator[str]:
+    """Lines without their line end (split on "\\n" only); invalid UTF-8 names the line. With
+    max_chars, a longer line keeps only its start, still more than max_chars characters (so it is
+    cut, and counted, where it is encoded), and its rest is read in blocks, checked and dropped:
+    memory stays bounded however long a line is (a file with CR line ends is one line)."""
+    # UTF-8 takes at most 4 bytes a character: 4 * (max_chars + 1) bytes, less the bytes of a
+    # character they cut in two, still hold more than max_chars characters.
+    limit = -1 if max_chars is None else 4 * (max_chars + 1)
+    for number in itertools.count(1):
+        raw = handle.readline(limit)
+        if not raw:
+            return
+        if raw.endswith(b"\n"):
+            try:
+                yield raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as err:
+                raise invalid_utf8(name, number, err.start) from None
+        else:  # the last line without a newline, or the start of an overlong line
+            yield read_rest(handle, raw, name, number).rstrip("\r\n")
+
+
+def read_rest(handle: IO[bytes], start: bytes, name: str, number: int) -> str:
+    """`start` decoded (less a character cut in two at its end), after reading the rest of its line
+    block by block through the same decoder, which checks the bytes it then drops."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    block, offset, text = start, 0, None
+    while True:
+        end = not block or block.endswith(b"\n")
+        held = len(decoder.getstate()[0])  # bytes of a character begun in the previous block
         try:
-            chunk.append(raw.decode("utf-8").rstrip("\r\n"))
+            decoded = decoder.decode(block, final=end)
         except UnicodeDecodeError as err:
-            raise MtrainError(f"{name}:{number}: invalid UTF-8 (byte {err.start + 1} of the line); "
-                              "re-encode the input as UTF-8, e.g. iconv -f latin1 -t utf-8") from None
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
+            raise invalid_utf8(name, number, offset - held + err.start) from None
+        text = decoded if text is None else text
+        if end:
+            return text
+        offset += len(block)
+        block = handle.readline(READ_BLOCK)
+
+
+def invalid_utf8(name: str, number: int, byte: int) -> MtrainError:
+    return MtrainError(f"{name}:{number}: invalid UTF-8 (byte {byte + 1} of the line); "
+                       "re-encode the input as UTF-8, e.g. iconv -f latin1 -t utf-8")
+
+
+def read_chunks(handle: IO[bytes], name: str, size: int, max_chars: int | None = None) -> Iterator[list[str]]:
+    """read_lines' lines in lists of `size`."""
+    lines = read_lines(handle, name, max_chars)
+    while chunk := list(itertools.islice(lines, size)):
         yield chunk
 
 
@@ -255,12 +320,14 @@ def translate_file(checkpoints: str | Path | list[str | Path], input: str, outpu
         stats = ckpt.get("stats") or None
         # Typed lines are answered one at a time; files and pipes go in chunks with a progress bar.
         size = 1 if interactive else CHUNK_LINES
-        prefixes = None if prefix is None else read_chunks(stack.enter_context(open(prefix, "rb")), prefix, size)
-        n_cut = done = 0
+        cap = char_cap(model.cfg.max_len)
+        prefixes = None if prefix is None else read_chunks(stack.enter_context(open(prefix, "rb")), prefix, size, cap)
+        cuts: Counter[str] = Counter()
+        done = 0
         with atomic_output(output) as sink, tqdm(unit=" lines", file=sys.stderr, disable=interactive, leave=False) as bar:
-            for lines, starts in paired_chunks(read_chunks(handle, name, size), prefixes, str(prefix), name):
+            for lines, starts in paired_chunks(read_chunks(handle, name, size, cap), prefixes, str(prefix), name):
                 results, cut = translate_nbest(model, tokenizer, lines, decode, resolved, stats, bar, starts, done)
                 sink.write(format_lines(results, done, decode.nbest))
                 sink.flush()
-                n_cut, done = n_cut + cut, done + len(lines)
-        warn_cut(n_cut, model.cfg.max_len)
+                cuts, done = cuts + cut, done + len(lines)
+        warn_cut(cuts, model.cfg.max_len)
