@@ -4,8 +4,11 @@ state differences. No torch here, so the CLI can print a config instantly."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
+import math
 import re
+import reprlib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,15 +157,72 @@ _Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|Tr
                               list("tTfF"))
 
 
-def _yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+def _as_text_on_failure(construct: Any) -> Any:
+    """A scalar PyYAML recognizes but cannot build (an integer of over 4300 digits, the date
+    2024-13-45, `!!int 12x`, `!!bool maybe`) stays text, so the key's type check names it."""
+    def lenient(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
+        try:
+            return construct(loader, node)
+        except (ValueError, KeyError):
+            return loader.construct_scalar(node)
+    return lenient
+
+
+for _tag in ("int", "float", "bool", "timestamp"):
+    _Loader.add_constructor(f"tag:yaml.org,2002:{_tag}",
+                            _as_text_on_failure(yaml.SafeLoader.yaml_constructors[f"tag:yaml.org,2002:{_tag}"]))
+
+
+def _yaml(text: str, where: str) -> Any:
+    """Parsed YAML; what PyYAML cannot read is a one-line error naming `where` (and the line of a
+    text of several lines)."""
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark is not None and "\n" in text.rstrip("\n") else ""
+        raise MtrainError(f"{where}{line}: invalid YAML ({_first_line(err)}); fix the syntax "
+                          "(quote text that YAML reads as syntax)") from None
+    except RecursionError:  # PyYAML composes nested lists and mappings recursively
+        raise MtrainError(f"{where}: invalid YAML (nested too deeply); a config holds sections of key: value") from None
+
+
+def _first_line(err: yaml.YAMLError) -> str:
+    # PyYAML's messages go on with lines pointing into the text.
+    problem = getattr(err, "problem", None) or str(err)
+    return (problem.strip().splitlines() or [type(err).__name__])[0]
+
+
+_REPR = reprlib.Repr()  # a value in a message: bounded for huge, nested or self-containing YAML values
+_REPR.maxstring = _REPR.maxother = 60
+
+
+def _show(value: Any) -> str:
+    try:
+        return _REPR.repr(value)
+    except ValueError:  # an int of over 4300 digits, which Python refuses to print
+        return "an integer too long to print"
+
+
+def _quoted(text: str) -> str:
+    """Text for a one-line message: as typed, or escaped when it holds line breaks or controls;
+    a long one keeps its start and end."""
+    text = text if len(text) <= 100 else f"{text[:70]}...{text[-20:]}"
+    return text if text.isprintable() else repr(text)
+
+
+SCALARS = (str, int, float, datetime.date)  # what YAML values may convert to a field's type
+INT_BOUND = 2**63  # integers fit int64: torch and numpy take no larger
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Coerce a YAML or command-line value to the declared field type (YAML reads 3e-4 as a string)."""
-    if tp == tuple[str, ...]:  # a YAML list, or comma-separated text (--set train.log_to=a,b)
-        items = value if isinstance(value, (list, tuple)) else str(value or "").split(",")
-        return tuple(str(item).strip() for item in items if str(item).strip())
+    """Coerce a YAML or command-line value to the declared field type (YAML reads 3e-4 as a string).
+    Only scalars convert: a list or mapping where one value belongs is an error, never its text."""
+    if tp == tuple[str, ...]:
+        return _coerce_names(value, where)
+    if not isinstance(value, SCALARS):
+        kind = {bool: "true/false", int: "an integer", float: "a number"}.get(tp, "text")
+        raise MtrainError(f"{where}: expected {kind}, got {_show(value)}")
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -171,25 +231,51 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return True
         if text in ("false", "no", "off", "0"):
             return False
-        raise MtrainError(f"{where}: expected true/false, got {value!r}")
+        raise MtrainError(f"{where}: expected true/false, got {_show(value)}")
     if tp is int:
-        if isinstance(value, bool):
-            raise MtrainError(f"{where}: expected an integer, got {value!r}")
-        try:
-            number = float(value) if isinstance(value, str) else value
-            if isinstance(number, float) and not number.is_integer():
-                raise ValueError
-            return int(number)
-        except (TypeError, ValueError):
-            raise MtrainError(f"{where}: expected an integer, got {value!r}") from None
+        return _coerce_int(value, where)
     if tp is float:
-        if isinstance(value, bool):
-            raise MtrainError(f"{where}: expected a number, got {value!r}")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise MtrainError(f"{where}: expected a number, got {value!r}") from None
+        return _coerce_float(value, where)
     return str(value)
+
+
+def _coerce_int(value: Any, where: str) -> int:
+    if isinstance(value, bool):
+        raise MtrainError(f"{where}: expected an integer, got {_show(value)}")
+    try:
+        number = float(value) if isinstance(value, str) else value
+        if isinstance(number, float) and not number.is_integer():  # also NaN and inf
+            raise ValueError
+        number = int(number)
+    except (TypeError, ValueError):
+        raise MtrainError(f"{where}: expected an integer, got {_show(value)}") from None
+    if not -INT_BOUND <= number < INT_BOUND:
+        raise MtrainError(f"{where}: {_show(value)} is out of range; use an integer of at most 18 digits")
+    return number
+
+
+def _coerce_float(value: Any, where: str) -> float:
+    """A finite float: NaN passes every range check (all comparisons are false), inf most."""
+    if isinstance(value, bool):
+        raise MtrainError(f"{where}: expected a number, got {_show(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float's range
+        number = math.inf
+    except (TypeError, ValueError):
+        raise MtrainError(f"{where}: expected a number, got {_show(value)}") from None
+    if not math.isfinite(number):
+        raise MtrainError(f"{where}: expected a finite number, got {_show(value)}")
+    return number
+
+
+def _coerce_names(value: Any, where: str) -> tuple[str, ...]:
+    """A YAML list, or comma-separated text (--set train.log_to=a,b); empty or null: none."""
+    items = value if isinstance(value, (list, tuple)) else [value] if value else []
+    if not all(isinstance(item, SCALARS) for item in items):
+        raise MtrainError(f"{where}: expected names, as a list or comma-separated, got {_show(value)}")
+    names = [name.strip() for item in items for name in str(item).split(",")]
+    return tuple(name for name in names if name)
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -197,11 +283,12 @@ def _field_types(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-def _unknown_key(section: str, key: str, valid: list[str], where: str) -> MtrainError:
-    close = difflib.get_close_matches(key, valid, n=1)
+def _unknown_key(section: str, key: Any, valid: list[str], where: str) -> MtrainError:
+    name = _quoted(key) if isinstance(key, str) else _show(key)  # YAML keys may be numbers, null, dates
+    close = difflib.get_close_matches(str(key), valid, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return MtrainError(
-        f"{where}: unknown key {section}.{key}{hint}; valid keys of [{section}]: {', '.join(valid)}"
+        f"{where}: unknown key {section}.{name}{hint}; valid keys of [{section}]: {', '.join(valid)}"
     )
 
 
@@ -210,7 +297,7 @@ def _merge(base: dict[str, dict[str, Any]], updates: dict[str, Any], where: str)
     for section, values in updates.items():
         if section not in SECTIONS:
             raise MtrainError(
-                f"{where}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}"
+                f"{where}: unknown section {_show(section)}; valid sections: {', '.join(SECTIONS)}"
             )
         if values is None:
             continue
@@ -229,7 +316,7 @@ def parse_override(text: str) -> dict[str, dict[str, Any]]:
         raise MtrainError(f"--set {text!r}: expected section.key=value, e.g. --set train.max_steps=1000")
     dotted, value = text.split("=", 1)
     section, key = dotted.strip().split(".", 1)
-    return {section: {key: _yaml(value) if value.strip() else ""}}
+    return {section: {key: _yaml(value, f"--set {_quoted(text)}") if value.strip() else ""}}
 
 
 def config_from_dict(data: dict[str, Any], where: str = "config") -> Config:
@@ -246,20 +333,24 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         path = Path(path)
         if not path.is_file():
             raise MtrainError(f"{path}: config file not found; pass an existing YAML file (see configs/)")
-        try:
-            data = _yaml(path.read_text(encoding="utf-8")) or {}
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            line = f" line {mark.line + 1}" if mark is not None else ""
-            raise MtrainError(f"{path}{line}: invalid YAML ({getattr(err, 'problem', err)}); fix the syntax") from None
+        data = _yaml(_read_text(path), str(path)) or {}
         if not isinstance(data, dict):
             raise MtrainError(f"{path}: expected a mapping of sections (model:, train:, ...)")
         _merge(merged, data, str(path))
     for text in overrides:
-        _merge(merged, parse_override(text), f"--set {text}")
+        _merge(merged, parse_override(text), f"--set {_quoted(text)}")
     config = Config(**{name: SECTIONS[name](**merged[name]) for name in SECTIONS})
     check_ranges(config)
     return config
+
+
+def _read_text(path: Path) -> str:
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise MtrainError(f"{path}:{line}: invalid UTF-8 (byte 0x{raw[err.start]:02x}); save the config as UTF-8") from None
 
 
 # Smallest allowed value (and the bound it must stay below) of numeric keys that cannot work
@@ -279,6 +370,8 @@ RANGES: dict[str, tuple[float, float | None]] = {
                                          "keep_last", "keep_every", "average_last", "patience", "num_threads", "adam_eps",
                                          "sampling_alpha", "cooldown_steps", "rdrop_alpha")},
     "train.label_smoothing": (0, 1), "train.adam_beta1": (0, 1), "train.adam_beta2": (0, 1),
+    # numpy (np.random.seed) and SentencePiece take 32-bit unsigned seeds
+    "train.seed": (0, 2**32), "tokenizer.seed": (0, 2**32),
 }
 
 

@@ -2,10 +2,12 @@
 output line per input line (nbest lines with --nbest) through 10 MB lines, a million-line stdin,
 NUL bytes, direction marks, zero-width characters and combining-mark storms, in bounded memory,
 with one warning line where text is cut; invalid UTF-8 is one error line naming file and line,
-and leaves no output behind."""
+and leaves no output behind. Config values and files, fuzzed with hypothesis, give a valid Config
+or one error line, never a traceback."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import os
@@ -16,11 +18,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_translate import REAL, checkpoint, tokenizer  # noqa: F401 (fixtures)
 from typer.testing import CliRunner
 
 from mtrain import translate as translate_module
 from mtrain.cli import app
+from mtrain.config import SECTIONS, Config, check_ranges, load_config
 from mtrain.errors import MtrainError
 from mtrain.translate import char_cap, encode_capped, read_lines
 
@@ -341,3 +347,94 @@ def test_tokenize_a_10_mb_line_keeps_the_line_counts(multi30k_slice, tmp_path):
     split = TokenizedData(out).split("valid")
     assert len(split) == len(split.src_text()) == len(split.tgt_text()) == 101
     assert split.src_text()[-1] == ten_mb_line()
+
+
+# ---------------------------------------------------------------- config values, fuzzed
+
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                        HealthCheck.too_slow])
+FIELDS = {f"{section}.{f.name}": f for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+NASTY = st.sampled_from([
+    "nan", ".nan", "NaN", "inf", "-inf", ".inf", "-.Inf", "1e400", "-1e400", "1.0e400", "1e-400", "9" * 30,
+    "9" * 400, "9" * 5000, "-9223372036854775809", "4294967296", "-1", "-0", "0x1F", "1_000", "١٢٣", "~", "null",
+    "", " ", "[]", "{}", "[1, [2, [3]]]", "{a: {b: c}}", "&a [*a]", "[" * 3000, "!!binary aGk=",
+    "!!python/object:os.system", "!!int 12x", "!!bool maybe", "!!float x", "2001-13-45", "2001-12-14", "yes",
+    "off", "'off'", '"\\0"', "a: b: c", "%", "@x", "`x", "*a", "? a", "- a", "|\n  x", "a\n---\nb", "\x00",
+    "\u202e", "\ufeff1", "1\u200b", "tensorboard,wandb", "[tensorboard, [wandb]]", "a\nb", "\r", "\u2028",
+])
+LEAF = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=20), st.binary(max_size=8),
+                 st.dates())
+TREE = st.recursive(LEAF, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                                        max_size=3), max_leaves=8)
+VALUE = st.one_of(NASTY, st.integers().map(str), st.floats().map(str), st.text(max_size=30),
+                  TREE.map(lambda tree: yaml.safe_dump(tree, default_flow_style=True, allow_unicode=True).strip()))
+KEY = st.one_of(st.sampled_from(sorted(FIELDS)), st.sampled_from(list(SECTIONS)).map(lambda s: f"{s}.x"),
+                st.text(max_size=12))
+OVERRIDE = st.one_of(st.builds(lambda key, value: f"{key}={value}", KEY, VALUE), st.text(max_size=30))
+
+
+def assert_valid(cfg: Config) -> None:
+    """Every field of the declared type (finite floats, 64-bit ints, tuples of text), in range."""
+    for dotted, field in FIELDS.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        kind = {"int": int, "float": float, "bool": bool, "str": str}.get(field.type)
+        if kind is None:  # tuple[str, ...]
+            assert isinstance(value, tuple) and all(isinstance(item, str) for item in value), dotted
+        else:
+            assert type(value) is kind, dotted
+        assert kind is not float or math.isfinite(value), dotted
+        assert kind is not int or -2**63 <= value < 2**63, dotted
+    check_ranges(cfg)
+
+
+def config_or_one_line_error(load) -> Config | None:
+    try:
+        cfg = load()
+    except MtrainError as err:
+        assert len(str(err).splitlines()) == 1 and "\n" not in str(err), str(err)
+        return None
+    assert_valid(cfg)
+    return cfg
+
+
+@FUZZ
+@given(overrides=st.lists(OVERRIDE, min_size=1, max_size=3))
+def test_any_set_value_gives_a_config_or_one_error_line(overrides):
+    config_or_one_line_error(lambda: load_config(None, overrides))
+
+
+CONFIG_TREE = st.dictionaries(
+    st.one_of(st.sampled_from(list(SECTIONS)), st.text(max_size=6), st.integers()),
+    st.one_of(st.none(), TREE, st.dictionaries(
+        st.one_of(st.sampled_from(sorted({name.split(".")[1] for name in FIELDS})), st.text(max_size=6)),
+        st.one_of(TREE, NASTY), max_size=4)),
+    max_size=4)
+CONFIG_FILE = st.one_of(
+    CONFIG_TREE.map(lambda tree: yaml.safe_dump(tree, allow_unicode=True).encode("utf-8")),
+    st.text(max_size=200).map(str.encode), NASTY.map(str.encode), st.binary(max_size=50),
+    st.lists(st.tuples(st.sampled_from(sorted(FIELDS)), NASTY), max_size=3).map(
+        lambda pairs: "".join(f"{key.split('.')[0]}:\n  {key.split('.')[1]}: {value}\n" for key, value in pairs).encode()))
+
+
+@settings(FUZZ, max_examples=150)
+@given(content=CONFIG_FILE)
+def test_any_config_file_gives_a_config_or_one_error_line(tmp_path, content):
+    path = tmp_path / "fuzz.yaml"
+    path.write_bytes(content)
+    config_or_one_line_error(lambda: load_config(path))
+
+
+@settings(FUZZ, max_examples=150)
+@given(overrides=st.lists(OVERRIDE, min_size=1, max_size=2))
+def test_print_config_with_any_set_exits_0_or_1_without_a_traceback(tmp_path, overrides):
+    """Exit 0 prints a config that loads back as the same Config; exit 1 prints one error line."""
+    result = CliRunner().invoke(app, ["train", "--print-config", *(f"--set={text}" for text in overrides)])
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert result.exit_code in (0, 1) and "Traceback" not in result.output
+    if result.exit_code == 1:
+        one_error_line(result)
+        return
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(result.stdout, encoding="utf-8")
+    assert load_config(printed) == load_config(None, overrides)
