@@ -16,6 +16,9 @@ DEFAULT_HF_DATASET = "bentrevett/multi30k"
 # Hugging Face split names for mtrain's split names (bentrevett/multi30k: train/validation/test).
 HF_SPLIT_ALIASES = {"valid": ("validation", "dev", "val"), "test2016": ("test",), "test": ("test2016",)}
 DROP_RULES = ("empty_side", "too_long", "length_ratio", "duplicate")
+# Characters per whitespace token beyond which a side counts as too long: far above real words
+# (German compounds reach ~40), so it only drops text that has no spaces to split.
+MAX_CHARS_PER_TOKEN = 64
 
 Pairs = tuple[list[str], list[str]]
 
@@ -196,10 +199,13 @@ def read_corpus(
 # Cleaning (training split only)
 # ----------------------------------------------------------------------------------------------
 def clean_pairs(src_lines: list[str], tgt_lines: list[str], max_len: int, max_ratio: float, dedup: bool = True):
-    """Drop training pairs by the first rule they break, in DROP_RULES order; lengths are whitespace tokens.
+    """Drop training pairs by the first rule they break, in DROP_RULES order; lengths are whitespace
+    tokens. too_long also catches a side of more than MAX_CHARS_PER_TOKEN * max_len characters: text
+    without spaces (a run-on line, CJK, a base64 blob) is one "token" however long it is.
 
     Returns (kept src, kept tgt, {rule: number dropped}).
     """
+    max_chars = MAX_CHARS_PER_TOKEN * max_len
     dropped = dict.fromkeys(DROP_RULES, 0)
     seen: set[tuple[str, str]] = set()
     kept_src, kept_tgt = [], []
@@ -207,7 +213,7 @@ def clean_pairs(src_lines: list[str], tgt_lines: list[str], max_len: int, max_ra
         n_src, n_tgt = len(s.split()), len(t.split())
         if n_src == 0 or n_tgt == 0:
             rule = "empty_side"
-        elif n_src > max_len or n_tgt > max_len:
+        elif n_src > max_len or n_tgt > max_len or max(len(s), len(t)) > max_chars:
             rule = "too_long"
         elif max(n_src, n_tgt) > max_ratio * min(n_src, n_tgt):
             rule = "length_ratio"

@@ -176,6 +176,13 @@ def test_cleaning_counts_on_hand_made_corpus():
     assert no_dedup == {"empty_side": 3, "too_long": 2, "length_ratio": 2, "duplicate": 0}
 
 
+def test_a_side_without_spaces_is_too_long_by_its_characters():
+    """One whitespace token of 5 * 64 + 1 characters breaks max_len=5; 5 * 64 does not."""
+    src, tgt = ["x" * 321, "y" * 320, "ein Hund"], ["a dog", "a cat", "z" * 321]
+    kept_src, _, dropped = clean_pairs(src, tgt, max_len=5, max_ratio=400.0)
+    assert kept_src == ["y" * 320] and dropped["too_long"] == 2
+
+
 # --- the cache ---------------------------------------------------------------------------------
 def test_ragged_arrays_round_trip():
     seqs = [[5, 6, 7], [], [8]]
