@@ -18,15 +18,20 @@ class MetricsLog:
     """Append-only JSON-lines log. On resume, events after the resumed step are dropped: they came
     from the part of a killed run that is about to be redone, and would otherwise appear twice.
 
+    A validation record at the resumed step itself is dropped too when the resumed state had not
+    validated there yet (last_eval_step): it was logged after that last.pt, and is redone.
+
     A failed append (a full disk) raises OSError and may leave a torn last line; the loop stops
     before the next last.pt, so the record's step is past the one a resume starts from, and the
     resumed run's rewrite drops it (read_metrics skips a torn line anyway)."""
 
-    def __init__(self, path: str | Path, resume_step: int | None = None) -> None:
+    def __init__(self, path: str | Path, resume_step: int | None = None, last_eval_step: int | None = None) -> None:
         self.path = Path(path)
         self.records: list[dict[str, Any]] = []
         if resume_step is not None and self.path.is_file():
-            self.records = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
+            valid_until = resume_step if last_eval_step is None else min(resume_step, last_eval_step)
+            self.records = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step
+                            and not (r.get("event") == "valid" and r.get("step", 0) > valid_until)]
         self._rewrite()
 
     def _rewrite(self) -> None:

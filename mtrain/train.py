@@ -458,7 +458,8 @@ class Run:
             with atomic_write(tr.run_dir / "config.yaml") as handle:  # a kill never leaves half a file
                 handle.write(to_yaml(tr.cfg))
         with tr.writing(tr.run_dir / "metrics.jsonl", "metrics write"):
-            self.metrics = MetricsLog(tr.run_dir / "metrics.jsonl", resume_step=tr.state.step if resumed else None)
+            self.metrics = MetricsLog(tr.run_dir / "metrics.jsonl", resume_step=tr.state.step if resumed else None,
+                                      last_eval_step=tr.state.last_eval_step if resumed else None)
 
     def open_trackers(self) -> None:
         """TensorBoard / W&B (train.log_to), on the main rank; they continue the series on resume."""
@@ -580,10 +581,13 @@ class Run:
                 bar.set_postfix(loss=f"{stats['loss'] / stats['tokens']:.3f}", lr=f"{stats['lr']:.2e}",
                                 tok_s=f"{stats['tokens'] / seconds:.0f}", refresh=False)
                 step = tr.state.step
-                early = self.validate() if step % t.eval_every == 0 else False
-                if early:
-                    reason = "early_stopping"
-                    break
+                # The last update validates here too, before its last.pt: a validation after the
+                # last.pt of its own step would be redone, and logged twice, by a resumed run.
+                if step % t.eval_every == 0 or step == t.max_steps:
+                    early = self.validate()
+                    if early and step % t.eval_every == 0:  # the end's own validation stops nothing early
+                        reason = "early_stopping"
+                        break
                 interrupted, failed = self._flags(stop_signal.signum is not None, self.failure is not None)
                 if failed:
                     raise self._failure_error()
@@ -598,8 +602,9 @@ class Run:
         return reason
 
     def finish(self, reason: str) -> None:
-        """Final validation (if the last step had none), plot, then step file, averaged.pt and
-        last.pt: a last.pt that says the run finished comes after every other file of the run."""
+        """Final validation (if the last step had none: the loop validates at max_steps, so only a
+        run resumed at a lowered max_steps), plot, then step file, averaged.pt and last.pt: a
+        last.pt that says the run finished comes after every other file of the run."""
         tr, s = self.tr, self.tr.state
         if s.last_eval_step != s.step:
             self.validate()

@@ -24,6 +24,7 @@ from test_faults import (
     assert_one_line_error,
     child_env,
     cli,
+    metrics,
     train_args,
 )
 from test_train import copy_data  # noqa: F401 (a fixture: the copy task's tokenized data)
@@ -186,6 +187,36 @@ def test_a_full_disk_stops_the_run_in_one_line_and_the_rerun_ends_identical(copy
                    (f"{target}: {what} (ENOSPC: No space left on device)", "free disk space"), last_step)
     if name == "averaged.pt":  # the finished last.pt comes after averaged.pt
         assert checkpoint.load(tmp_path / "last.pt")["train_state"]["state"]["finished"] == "max_steps"
+
+
+def test_a_failure_at_the_end_of_a_run_logs_its_last_validation_once(copy_data, tmp_path, monkeypatch):  # noqa: F811
+    """A 4-update run: last.pt at 2 and 4, validations at 3 and at the end (4, off the eval grid).
+    averaged.pt fails: the re-run redoes the end from update 4's last.pt, and metrics.jsonl holds
+    the end's validation once, as an uninterrupted run's does."""
+    from mtrain.train import train
+
+    train(load_config(None, TINY + ["train.max_steps=4", *EXTRA]), copy_data, tmp_path / "reference", device="cpu")
+    disk = Disk(monkeypatch, "averaged.pt", 1)
+    run_dir = tmp_path / "run"
+    fail_and_rerun(tmp_path / "reference", run_dir, args_for(copy_data, run_dir, max_steps=4), disk,
+                   (f"{run_dir / 'averaged.pt'}: checkpoint write failed",), 4)
+    assert [(r["event"], r["step"]) for r in metrics(run_dir) if r["event"] == "valid"] == [("valid", 3), ("valid", 4)]
+
+
+def test_a_resume_drops_a_validation_logged_after_its_last_pt(tmp_path):
+    """metrics.jsonl holds a validation at last.pt's own step that last.pt does not know of (its
+    last_eval_step is earlier): a resumed run redoes it, so the log drops it."""
+    import json
+
+    from mtrain.plot import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    records = [{"event": "train", "step": 3}, {"event": "valid", "step": 3}, {"event": "train", "step": 4},
+               {"event": "valid", "step": 4}, {"event": "train", "step": 5}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert MetricsLog(path, resume_step=4, last_eval_step=3).records == records[:3]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert MetricsLog(path, resume_step=4, last_eval_step=4).records == records[:4]
 
 
 def test_failing_to_delete_an_old_step_file_stops_the_run(copy_data, reference, tmp_path, monkeypatch):  # noqa: F811
