@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="quick modes (under 10 minutes in all)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the runner, measures nothing")
     parser.add_argument("--only", default=",".join(BENCHMARKS), help=f"comma-separated subset of {','.join(BENCHMARKS)}")
-    parser.add_argument("--main-job", action="store_true", help="e2e also times scripts/quickstart.sh (~15 min)")
+    parser.add_argument("--main-job", action="store_true", help="e2e also times scripts/quickstart.sh (about 5 min on 2 cores)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads for train_step and decode (0 = default)")
     parser.add_argument("--timeout", type=float, default=0, help="seconds per benchmark (default 900, 480 with --quick/--smoke)")
     parser.add_argument("--out", type=Path, help="folder for <name>.json (default benchmarks/results; a temp folder with --smoke)")

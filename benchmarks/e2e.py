@@ -1,5 +1,5 @@
 """End-to-end wall times: `mtrain tokenize` on Multi30k (always) and the README main job,
-scripts/quickstart.sh (tokenize -> train -> translate -> eval, ~15 minutes; only with --main-job).
+scripts/quickstart.sh (tokenize -> train -> translate -> eval, about 5 minutes on 2 cores; only with --main-job).
 A table goes to stderr; `--json` prints one JSON object on stdout.
 
     python benchmarks/e2e.py --json [--main-job]
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--quick", action="store_true", help="accepted for symmetry; tokenize takes ~15 s either way")
-    parser.add_argument("--main-job", action="store_true", help="also time scripts/quickstart.sh (~15 minutes)")
+    parser.add_argument("--main-job", action="store_true", help="also time scripts/quickstart.sh (about 5 minutes on 2 cores)")
     args = parser.parse_args(argv)
     corpus = corpus_dir()
     result: dict = {"corpus": str(corpus) if corpus else None, "machine": platform.machine(), "cpu_count": os.cpu_count()}

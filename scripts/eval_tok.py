@@ -25,7 +25,7 @@ def moses_lc_tokenize(lines: Iterable[str], lang: str) -> list[str]:
             for line in lines]
 
 
-def read_lines(text: str) -> list[str]:
+def split_lines(text: str) -> list[str]:
     """Lines split on \n only (str.splitlines would also split at U+2028 and friends and so change
     the line count); a final newline ends the last line, CRLF endings lose their \r."""
     lines = text.split("\n")
@@ -41,10 +41,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", default="-", help="where the tokenized lines go (- = stdout)")
     args = parser.parse_args(argv)
     if args.input == "-":
-        lines = read_lines(sys.stdin.read())
+        lines = split_lines(sys.stdin.read())
     else:
         with open(args.input, encoding="utf-8") as handle:
-            lines = read_lines(handle.read())
+            lines = split_lines(handle.read())
     text = "".join(line + "\n" for line in moses_lc_tokenize(lines, args.lang))
     if args.output == "-":
         sys.stdout.write(text)

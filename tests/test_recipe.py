@@ -282,8 +282,8 @@ def test_eval_tok_reproduces_the_multi30k_tok_files(multi30k_dir):
 
 
 def test_eval_tok_keeps_one_line_per_line():
-    assert eval_tok.read_lines("a\u2028b\r\nc\n") == ["a\u2028b", "c"]
-    assert eval_tok.read_lines("") == []
+    assert eval_tok.split_lines("a\u2028b\r\nc\n") == ["a\u2028b", "c"]
+    assert eval_tok.split_lines("") == []
 
 
 # ---------------------------------------------------------------- report arithmetic
