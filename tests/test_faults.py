@@ -619,17 +619,18 @@ def test_disk_full_keeps_previous_checkpoints_and_the_rerun_ends_identical(token
 
 
 class FullDisk:
-    """A text file handle that takes `room` characters, then raises ENOSPC."""
+    """A file handle (text or binary) that takes `room` more characters or bytes, then raises ENOSPC."""
 
     def __init__(self, handle, room: int) -> None:
         self.handle, self.room = handle, room
 
-    def write(self, text: str) -> int:
-        if len(text) > self.room:
-            self.handle.write(text[: self.room])
+    def write(self, data):
+        if len(data) > self.room:
+            self.handle.write(data[: self.room])
+            self.room = 0
             raise OSError(28, "No space left on device")
-        self.room -= len(text)
-        return self.handle.write(text)
+        self.room -= len(data)
+        return self.handle.write(data)
 
     def writelines(self, lines) -> None:
         for line in lines:

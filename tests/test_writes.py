@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from test_faults import (
     TINY,
+    FullDisk,
     assert_identical_runs,
     assert_one_line_error,
     child_env,
@@ -58,30 +59,6 @@ def reference(copy_data, tmp_path_factory) -> Path:  # noqa: F811
 # ---------------------------------------------------------------- injected full disks
 
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-
-class FailingHandle:
-    """A file handle that takes `room` more bytes (or characters), then raises ENOSPC."""
-
-    def __init__(self, handle, room: int) -> None:
-        self.handle, self.room = handle, room
-
-    def write(self, data):
-        if len(data) > self.room:
-            self.handle.write(data[: self.room])
-            self.room = 0
-            raise OSError(ENOSPC.errno, ENOSPC.strerror)
-        self.room -= len(data)
-        return self.handle.write(data)
-
-    def __getattr__(self, name):
-        return getattr(self.handle, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.handle.close()
 
 
 class Disk:
@@ -140,7 +117,7 @@ class Disk:
         return True
 
     def wrap(self, name: str, handle):
-        return FailingHandle(handle, self.room) if self.hit(name) else handle
+        return FullDisk(handle, self.room) if self.hit(name) else handle
 
     def disarm(self) -> None:
         self.armed = False
