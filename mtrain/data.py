@@ -281,8 +281,11 @@ def _pad_rows(values: np.ndarray, lengths: np.ndarray, width: int, shift: int) -
     return out
 
 
-def collate(split: Split, indices: Sequence[int], device: Any = None) -> tuple[torch.Tensor, ...]:
-    """Padded LongTensors (src, tgt_in, tgt_out): src = ids + EOS, tgt_in = BOS + ids, tgt_out = ids + EOS."""
+def collate(split: Split, indices: Sequence[int], device: Any = None,
+            max_len: int | None = None) -> tuple[torch.Tensor, ...]:
+    """Padded LongTensors (src, tgt_in, tgt_out): src = ids + EOS, tgt_in = BOS + ids, tgt_out = ids + EOS.
+    max_len: at most that many positions per side, a cut sequence still ending in EOS (validation of
+    uncleaned text, where one huge line would otherwise need attention over all of it)."""
     indices = np.asarray(indices, dtype=np.int64)
     rows = np.arange(indices.size)
     src_ids, src_len = _gather(split.src, indices)
@@ -294,10 +297,21 @@ def collate(split: Split, indices: Sequence[int], device: Any = None) -> tuple[t
     tgt_in[:, 0] = BOS_ID
     tgt_out = _pad_rows(tgt_ids, tgt_len, tgt_width, 0)
     tgt_out[rows, tgt_len] = EOS_ID
-    tensors = tuple(torch.from_numpy(a) for a in (src, tgt_in, tgt_out))
+    if max_len is not None:
+        src, tgt_in, tgt_out = _cut(src, src_len, max_len), tgt_in[:, :max_len], _cut(tgt_out, tgt_len, max_len)
+    tensors = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in (src, tgt_in, tgt_out))
     if device is not None:
         tensors = tuple(t.to(device, non_blocking=True) for t in tensors)
     return tensors
+
+
+def _cut(padded: np.ndarray, lengths: np.ndarray, width: int) -> np.ndarray:
+    """The first `width` columns of ids + EOS rows; a row cut short ends in EOS."""
+    if padded.shape[1] <= width:
+        return padded
+    out = padded[:, :width].copy()
+    out[lengths >= width, width - 1] = EOS_ID
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -305,8 +319,11 @@ def collate(split: Split, indices: Sequence[int], device: Any = None) -> tuple[t
 # ----------------------------------------------------------------------------------------------
 
 
-def target_tokens(tgt_lengths: np.ndarray, batches: list[np.ndarray]) -> int:
-    """Loss-bearing target tokens of some batches: each sentence's pieces plus its EOS."""
+def target_tokens(tgt_lengths: np.ndarray, batches: list[np.ndarray], max_len: int | None = None) -> int:
+    """Loss-bearing target tokens of some batches: each sentence's pieces plus its EOS (at most
+    max_len of them, as collate(max_len=...) cuts)."""
+    if max_len is not None:
+        tgt_lengths = np.minimum(tgt_lengths, max_len - 1)
     return int(sum(int(tgt_lengths[b].sum()) + len(b) for b in batches))
 
 

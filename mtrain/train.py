@@ -282,16 +282,18 @@ class Trainer:
     def _valid_loss(self) -> tuple[float, float]:
         split = self.valid_split
         # Valid/test are kept exactly as given (not cleaned): a pair longer than max_tokens gets a
-        # batch of its own instead of failing the run at its first validation.
-        batches = make_batches(split.src.lengths, split.tgt.lengths, self.tcfg.max_tokens,
-                                    seed=self.tcfg.seed, epoch=0, shuffle=False, allow_oversize=True)
+        # batch of its own instead of failing the run at its first validation, and each side is cut
+        # to the model's max_len positions, as translation cuts its input.
+        limit = self.cfg.model.max_len
+        batches = make_batches(np.minimum(split.src.lengths, limit - 1), np.minimum(split.tgt.lengths, limit - 1),
+                               self.tcfg.max_tokens, seed=self.tcfg.seed, epoch=0, shuffle=False, allow_oversize=True)
         loss = nll = 0.0
         objective = Objective(self.model, self.tcfg.label_smoothing)
         for batch in batches:
             with self.autocast():
-                loss_sum, nll_sum = objective(*collate(split, batch, device=self.device))
+                loss_sum, nll_sum = objective(*collate(split, batch, device=self.device, max_len=limit))
             loss, nll = loss + loss_sum.item(), nll + nll_sum.item()
-        tokens = max(1, target_tokens(split.tgt.lengths, batches))
+        tokens = max(1, target_tokens(split.tgt.lengths, batches, max_len=limit))
         return loss / tokens, nll / tokens
 
     # ------------------------------------------------------------ checkpoints

@@ -24,6 +24,7 @@ from mtrain.data import (
     TokenizedData,
     collate,
     make_batches,
+    target_tokens,
     to_ragged_arrays,
 )
 from mtrain.errors import MtrainError
@@ -292,6 +293,18 @@ def test_collate_places_bos_eos_and_pad(tmp_path):
     assert src.tolist() == [[5, 6, 7, 3], [8, 3, 0, 0], [3, 0, 0, 0]]
     assert tgt_in.tolist() == [[2, 9, 10, 0, 0], [2, 11, 12, 13, 14], [2, 15, 0, 0, 0]]
     assert tgt_out.tolist() == [[9, 10, 3, 0, 0], [11, 12, 13, 14, 3], [15, 3, 0, 0, 0]]
+
+
+def test_collate_cuts_each_side_to_max_len_ending_in_eos(tmp_path):
+    """max_len=3: src [5, 6, 7] + EOS and tgt [11 .. 14] + EOS are cut to 3 positions, ending in EOS;
+    the shorter rows are as without a cut. target_tokens counts what is left (3 + 3 + 2)."""
+    src, tgt_in, tgt_out = collate(_toy_split(tmp_path), [0, 1, 2], max_len=3)
+    assert src.tolist() == [[5, 6, 3], [8, 3, 0], [3, 0, 0]]
+    assert tgt_in.tolist() == [[2, 9, 10], [2, 11, 12], [2, 15, 0]]
+    assert tgt_out.tolist() == [[9, 10, 3], [11, 12, 3], [15, 3, 0]]
+    lengths = _toy_split(tmp_path).tgt.lengths
+    assert target_tokens(lengths, [np.arange(3)], max_len=3) == int((tgt_out != 0).sum()) == 8
+    assert target_tokens(lengths, [np.arange(3)]) == 10
 
 
 def test_collate_follows_index_order(tmp_path):
