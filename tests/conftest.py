@@ -66,9 +66,9 @@ def tokenized_slice(multi30k_slice, tmp_path_factory) -> Path:
 def stop_at_step(monkeypatch):
     """stop_at_step(n): a real SIGINT reaches the trainer at the end of update n, as Ctrl-C would
     (the loop's own handler takes it: save last.pt, stop); stop_at_step(None) disarms it."""
-    from mtrain import train
+    from mtrain.trainer import Trainer
 
-    original = train.Trainer.train_step
+    original = Trainer.train_step
 
     def arm(step: int | None) -> None:
         def train_step(self):
@@ -77,7 +77,7 @@ def stop_at_step(monkeypatch):
                 signal.raise_signal(signal.SIGINT)  # the Python handler runs before this returns
             return stats
 
-        monkeypatch.setattr(train.Trainer, "train_step", original if step is None else train_step)
+        monkeypatch.setattr(Trainer, "train_step", original if step is None else train_step)
 
     return arm
 
@@ -86,9 +86,9 @@ def stop_at_step(monkeypatch):
 def nan_losses(monkeypatch):
     """nan_losses(attempts): the summed loss of these update attempts (counted from 1 in this
     process, skipped updates included) comes back NaN, as an overflow would make it."""
-    from mtrain import train
+    from mtrain import trainer
 
-    original = train.forward_backward
+    original = trainer.forward_backward
 
     def arm(attempts) -> None:
         calls, attempts = itertools.count(1), set(attempts)
@@ -97,6 +97,6 @@ def nan_losses(monkeypatch):
             loss_sum, nll_sum = original(*args, **kwargs)
             return (float("nan"), nll_sum) if next(calls) in attempts else (loss_sum, nll_sum)
 
-        monkeypatch.setattr(train, "forward_backward", forward_backward)
+        monkeypatch.setattr(trainer, "forward_backward", forward_backward)
 
     return arm

@@ -90,6 +90,7 @@ def install(point: KillPoint | None = None, trace: Path | None = None) -> None:
 
     from mtrain import checkpoint, plot
     from mtrain import train as train_mod
+    from mtrain import trainer as trainer_mod
 
     now = {"run": None, "validating": False, "finishing": False, "averaging": False, "loads": 0}
 
@@ -138,7 +139,7 @@ def install(point: KillPoint | None = None, trace: Path | None = None) -> None:
     def step_now() -> int:
         return now["run"].tr.state.step
 
-    @patch(train_mod.Trainer, "_clip_and_step")  # gradients computed, the optimizer update in progress
+    @patch(trainer_mod.Trainer, "_clip_and_step")  # gradients computed, the optimizer update in progress
     def clip_and_step(original, self):
         if hit("step", self.state.step + 1):
             _die()
@@ -151,14 +152,14 @@ def install(point: KillPoint | None = None, trace: Path | None = None) -> None:
                 write_part_and_die(handle, json.dumps(record) + "\n")
         return original(self, record)
 
-    @patch(train_mod.Trainer, "_valid_loss")  # valid loss done, translations not yet
+    @patch(trainer_mod.Trainer, "_valid_loss")  # valid loss done, translations not yet
     def valid_loss(original, self):
         result = original(self)
         if hit("validate", self.state.step):
             _die()
         return result
 
-    @patch(train_mod, "translate_lines")  # the valid sentences translated, not yet scored
+    @patch(trainer_mod, "translate_lines")  # the valid sentences translated, not yet scored
     def translate_lines(original, *args, **kwargs):
         hyps = original(*args, **kwargs)
         if hit("decode", step_now()):

@@ -54,7 +54,7 @@ def test_accumulation_equals_one_big_batch(copy_data):
     from mtrain.data import TokenizedData, collate, target_tokens
     from mtrain.loss import Objective, forward_backward
     from mtrain.model import Transformer
-    from mtrain.train import model_config_for_data
+    from mtrain.trainer import model_config_for_data
 
     cfg = model_config_for_data(load_config(None, TINY + ["model.dropout=0"]), TokenizedData(copy_data).tokenizer)
     split = TokenizedData(copy_data).split("train")
@@ -135,7 +135,8 @@ def test_tokens_per_s_of_a_window_spanning_a_restart():
     (200 tokens in 0.5 s + 0.5 s), not over the resumed half only; old checkpoints lack "seconds"."""
     from types import SimpleNamespace
 
-    from mtrain.train import Run, TrainState
+    from mtrain.resume import TrainState
+    from mtrain.train import Run
 
     for restored, expected in (({"loss": 2.0, "nll": 1.0, "tokens": 100, "steps": 1, "seconds": 0.5}, 200.0),
                                ({"loss": 2.0, "nll": 1.0, "tokens": 100, "steps": 1}, 400.0)):

@@ -1,0 +1,347 @@
+"""One training run's parts and single jobs: `Trainer` holds the data, model, optimizer and
+TrainState, and resumes, makes one update, validates and saves; the loop around it is
+mtrain.train.Run.
+
+Every write it makes (checkpoints, deleting old step files, averaged.pt) that fails raises one
+MtrainError naming the file and the cause. Each write happens before the last.pt that follows it,
+so the last.pt on disk is always the commit point of resume: the same command, once the cause is
+fixed, ends bit-identical to an uninterrupted run."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import random
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from mtrain import checkpoint
+from mtrain import distributed as dist_utils
+from mtrain.atomic import describe_write_error
+from mtrain.config import Config, replace, to_dict
+from mtrain.data import BatchStream, SubwordSampler, TokenizedData, collate, make_batches, stream_target_tokens, target_tokens
+from mtrain.errors import MtrainError
+from mtrain.evaluate import score
+from mtrain.hardware import resolve_amp
+from mtrain.loss import Objective, forward_backward
+from mtrain.model import Transformer
+from mtrain.resume import TrainState, rng_state, set_rng_state
+from mtrain.schedule import lr_at
+from mtrain.tokenizer import PAD_ID, Tokenizer
+from mtrain.translate import translate_lines
+
+N_SAMPLES = 3  # sample translations shown at each validation
+
+
+# ---------------------------------------------------------------- set-up
+
+def model_config_for_data(cfg: Config, tokenizer: Tokenizer) -> Config:
+    """Vocabulary sizes come from the tokenized data, not from the config file."""
+    joint = bool(tokenizer.joint)
+    return replace(cfg, model={
+        "vocab_size": int(tokenizer.tgt.vocab_size),
+        "src_vocab_size": 0 if joint else int(tokenizer.src.vocab_size),
+        "share_embeddings": cfg.model.share_embeddings and joint,
+        "pad_id": PAD_ID,
+    })
+
+
+def check_direction(cfg: Config, meta: dict[str, Any], data_dir: Path) -> None:
+    """An en->de config on de->en data would silently train the other direction: refuse it."""
+    want, have = (cfg.data.src, cfg.data.tgt), (meta.get("src"), meta.get("tgt"))
+    if want != have:
+        raise MtrainError(
+            f"{data_dir}: tokenized as {have[0]}->{have[1]} but the config says data.src={want[0]} "
+            f"data.tgt={want[1]}; pass --set data.src={have[0]} --set data.tgt={have[1]} or re-tokenize with this config"
+        )
+
+
+# ---------------------------------------------------------------- the trainer
+
+class Trainer:
+    """Holds one run's parts (data, model, optimizer, TrainState) and does the single jobs:
+    resume, one update, validate, save. The loop around them is `Run`."""
+
+    def __init__(self, cfg: Config, data_dir: Path, run_dir: Path, device: torch.device,
+                 dist: dist_utils.DistInfo) -> None:
+        self.data_dir, self.run_dir, self.device, self.dist = Path(data_dir), Path(run_dir), device, dist
+        data = TokenizedData(data_dir)
+        check_direction(cfg, data.meta, self.data_dir)
+        self.tokenizer = data.tokenizer
+        self.stats = data.stats
+        self.cfg = model_config_for_data(cfg, self.tokenizer)
+        self.tcfg = self.cfg.train
+        self.train_split = data.split(self.cfg.data.train_split)
+        self.valid_split = data.split(self.cfg.data.valid_split)
+        self.state = TrainState()
+        sampler = None
+        if self.tcfg.sampling_alpha > 0:
+            sampler = SubwordSampler(self.train_split, self.tokenizer, self.tcfg.sampling_alpha,
+                                          self.tcfg.seed, self.tcfg.max_tokens)
+        self.stream = BatchStream(self.train_split, self.tcfg.max_tokens, self.tcfg.seed, sampler=sampler)
+        self._build_model()
+
+    def _build_model(self) -> None:
+        seed = self.tcfg.seed
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
+        self.model = Transformer(self.cfg.model).to(self.device)
+        if self.dist.rank > 0:
+            torch.manual_seed(seed + 1000 * self.dist.rank)  # independent dropout masks per rank
+        self.amp_dtype = resolve_amp(self.tcfg.amp, self.device)
+        self.scaler = torch.amp.GradScaler("cuda") if self.amp_dtype == torch.float16 else None
+        t = self.tcfg
+        fused = self.device.type == "cuda"
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.0, betas=(t.adam_beta1, t.adam_beta2),
+                                          eps=t.adam_eps, weight_decay=t.weight_decay, fused=fused or None)
+        objective: nn.Module = Objective(self.model, t.label_smoothing, t.rdrop_alpha)
+        if self.dist.enabled:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            objective = nn.parallel.DistributedDataParallel(objective, device_ids=ids)
+        if t.compile:  # after DDP, so compiled graphs see its bucketing hooks
+            objective = torch.compile(objective, dynamic=True)
+        self.objective = objective
+
+    def autocast(self) -> Any:
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    # ------------------------------------------------------------ resume
+
+    def resume(self) -> bool:
+        """Restore everything from RUN/last.pt when it exists; say so on stderr."""
+        path = self.run_dir / "last.pt"
+        if not path.is_file():
+            return False
+        ckpt = checkpoint.load(path)
+        self._check_same_model(ckpt, path)
+        ts = ckpt.get("train_state")
+        if ts is None:
+            raise MtrainError(f"{path}: holds no training state; pass a new --out folder to start a fresh run")
+        self.model.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ts["optimizer"])
+        if self.scaler is not None and ts.get("scaler"):
+            self.scaler.load_state_dict(ts["scaler"])
+        self.state = TrainState.from_saved(ts["state"])
+        self.stream.epoch, self.stream.index = self.state.epoch, self.state.batch_index
+        self._note_train_changes(ckpt["config"].get("train", {}))
+        rngs = ts["rng"]
+        if len(rngs) == self.dist.world_size:
+            set_rng_state(rngs[self.dist.rank])
+        else:
+            self.log(f"note: {path} was written by {len(rngs)} process(es), now {self.dist.world_size}; "
+                     "dropout RNG is reseeded, so this run will not match an uninterrupted one bit for bit")
+        self.log(f"resuming from {path}: step {self.state.step}, epoch {self.state.epoch}, "
+                 f"batch {self.state.batch_index}/{len(self.stream.batches(self.state.epoch))}, "
+                 f"best BLEU {max(self.state.best_bleu, 0.0):.2f}")
+        return True
+
+    def _check_same_model(self, ckpt: dict[str, Any], path: Path) -> None:
+        stored, current = ckpt["config"].get("model", {}), to_dict(self.cfg)["model"]
+        diffs = [f"{k}: {stored.get(k)!r} -> {v!r}" for k, v in current.items() if stored.get(k) != v]
+        if diffs:
+            raise MtrainError(f"{path}: the model config differs from the run being resumed ({'; '.join(diffs)}); "
+                              "use the original config, or a new --out folder for a new model")
+        if ckpt.get("tokenizer") != self.tokenizer.to_state():
+            raise MtrainError(f"{path}: the run was trained with another SentencePiece model than {self.data_dir}'s; "
+                              "pass the original --data folder, or a new --out folder")
+
+    def _note_train_changes(self, stored: dict[str, Any]) -> None:
+        current = to_dict(self.cfg)["train"]
+        changed = [f"train.{k} {stored[k]!r} -> {v!r}" for k, v in current.items() if k in stored and stored[k] != v]
+        if changed:
+            self.log("note: changed since the last run: " + ", ".join(changed))
+
+    # ------------------------------------------------------------ one update
+
+    def train_step(self) -> dict[str, float] | None:
+        """One optimizer update over update_freq micro-batches per rank. Returns stats, or None
+        when the loss was non-finite and the update was skipped."""
+        t, world = self.tcfg, self.dist.world_size
+        batches = self.stream.take(world * t.update_freq)  # the same list on every rank
+        total = stream_target_tokens(batches)
+        mine = batches[self.dist.rank * t.update_freq:(self.dist.rank + 1) * t.update_freq]
+        micro = [collate(b.split, b.indices, device=self.device) for b in mine]
+        step = self.state.step + 1
+        loss_sum, nll_sum = forward_backward(self.objective, micro, total, world, self.autocast, self.scaler)
+        sums = dist_utils.all_reduce_sum(torch.tensor([loss_sum, nll_sum], dtype=torch.float64,
+                                                      device=self.device), self.dist).tolist()
+        if not math.isfinite(sums[0]):
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        lr = lr_at(step, self.cfg.model.d_model, t.warmup_steps, t.lr_scale, t.max_steps, t.cooldown_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        grad_norm = self._clip_and_step()
+        if grad_norm is None:
+            return None
+        self.state.step = step
+        return {"loss": sums[0], "nll": sums[1], "tokens": total, "lr": lr, "grad_norm": grad_norm}
+
+    def _clip_and_step(self) -> float | None:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        max_norm = self.tcfg.clip_norm if self.tcfg.clip_norm > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        if self.scaler is not None:
+            # fp16 overflow: the scaler skips the step and lowers its scale; not a loss problem.
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        elif not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def count_nonfinite(self) -> None:
+        s = self.state
+        s.nonfinite_run += 1
+        s.nonfinite_total += 1
+        self.log(f"step {s.step + 1}: non-finite loss, update skipped ({s.nonfinite_run} in a row)")
+        if s.nonfinite_run >= self.tcfg.max_nonfinite:
+            raise MtrainError(
+                f"step {s.step + 1}: {s.nonfinite_run} non-finite losses in a row (train.max_nonfinite="
+                f"{self.tcfg.max_nonfinite}); training stopped, {self.run_dir / 'last.pt'} holds the last good state; "
+                "lower train.lr_scale, raise train.warmup_steps or set train.clip_norm, then re-run")
+
+    # ------------------------------------------------------------ validation
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, Any]:
+        """Valid loss, then BLEU/chrF of translations of the raw valid source against the raw
+        references. The RNG is forked so dropout after validation is what it would be without it."""
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            self.model.eval()
+            try:
+                loss, nll = self._valid_loss()
+                sources, refs = self.valid_split.src_text(), self.valid_split.tgt_text()
+                if self.tcfg.eval_max_sentences > 0:
+                    sources, refs = sources[:self.tcfg.eval_max_sentences], refs[:self.tcfg.eval_max_sentences]
+                decode = dataclasses.replace(self.cfg.decode, beam=self.tcfg.eval_beam, nbest=1)
+                with self.autocast():
+                    hyps = translate_lines(self.model, self.tokenizer, sources, decode, self.device, stats=self.stats)
+                scores = score(hyps, [refs])
+            finally:
+                self.model.train()
+        samples = [{"src": s, "ref": r, "hyp": h} for s, r, h in list(zip(sources, refs, hyps))[:N_SAMPLES]]
+        return {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50.0)), "bleu": scores["bleu"],
+                "chrf": scores["chrf"], "samples": samples}
+
+    def _valid_loss(self) -> tuple[float, float]:
+        split = self.valid_split
+        # Valid/test are kept exactly as given (not cleaned): a pair longer than max_tokens gets a
+        # batch of its own instead of failing the run at its first validation, and each side is cut
+        # to the model's max_len positions, as translation cuts its input.
+        limit = self.cfg.model.max_len
+        batches = make_batches(np.minimum(split.src.lengths, limit - 1), np.minimum(split.tgt.lengths, limit - 1),
+                               self.tcfg.max_tokens, seed=self.tcfg.seed, epoch=0, shuffle=False, allow_oversize=True)
+        loss = nll = 0.0
+        objective = Objective(self.model, self.tcfg.label_smoothing)
+        for batch in batches:
+            with self.autocast():
+                loss_sum, nll_sum = objective(*collate(split, batch, device=self.device, max_len=limit))
+            loss, nll = loss + loss_sum.item(), nll + nll_sum.item()
+        tokens = max(1, target_tokens(split.tgt.lengths, batches, max_len=limit))
+        return loss / tokens, nll / tokens
+
+    # ------------------------------------------------------------ checkpoints
+
+    def _ckpt(self, train_state: dict[str, Any] | None) -> dict[str, Any]:
+        return checkpoint.make(to_dict(self.cfg), self.model.state_dict(), self.tokenizer.to_state(),
+                               self.stats, self.state.step, train_state)
+
+    def save_best(self) -> None:
+        """RUN/best.pt: the model only (rank 0 calls it after a validation with a new best BLEU)."""
+        self._save(self._ckpt(None), self.run_dir / "best.pt")
+
+    def _save(self, obj: dict[str, Any], path: Path) -> None:
+        # Any exception: disk full, a file size limit, permissions, a vanished folder, torch's wrapping of them.
+        with self.writing(path, "checkpoint write", Exception):
+            checkpoint.save_atomic(obj, path)
+
+    @contextlib.contextmanager
+    def writing(self, path: Path, what: str, catch: type[BaseException] = OSError) -> Iterator[None]:
+        """Turn a failed write of `path` into the one line that stops the run: the file, the cause
+        (ENOSPC, EFBIG, EIO, ...) and what to do."""
+        try:
+            yield
+        except MtrainError:
+            raise
+        except catch as err:
+            cause, remedy = describe_write_error(err)
+            raise MtrainError(f"{path}: {what} failed ({cause}); the previous checkpoints in {self.run_dir} are "
+                              f"intact; {remedy or 'fix the cause'} and re-run the same command to resume") from None
+
+    def train_state(self, rngs: list[dict[str, Any]]) -> dict[str, Any]:
+        self.state.epoch, self.state.batch_index = self.stream.epoch, self.stream.index
+        return {"optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler is not None else {},
+                "state": dataclasses.asdict(self.state), "rng": rngs, "world_size": self.dist.world_size}
+
+    def save_last(self, with_step_file: bool, average: bool = False, failure: MtrainError | None = None) -> None:
+        """RUN/step-N.pt (model only, pruned to keep_last and keep_every), RUN/averaged.pt at the end of a run
+        (average), then RUN/last.pt, the commit point of resume. Rank 0 writes; a failure there, or one rank 0
+        met since the last save (failure), stops every rank, and last.pt stays the previous one."""
+        rngs = self._gather_rngs()
+        error = failure
+        if self.dist.is_main and error is None:
+            try:
+                if with_step_file:
+                    self._save(self._ckpt(None), self.run_dir / f"step-{self.state.step}.pt")
+                    self._prune_step_files()
+                if average:
+                    self._average()
+                self._save(self._ckpt(self.train_state(rngs)), self.run_dir / "last.pt")
+            except MtrainError as err:
+                error = err
+        if dist_utils.any_rank(error is not None, self.dist, self.device):
+            raise error or MtrainError(f"step {self.state.step}: rank 0 failed to write a checkpoint; "
+                                       "see its message, fix it and re-run the same command to resume")
+
+    def _gather_rngs(self) -> list[dict[str, Any]]:
+        state = rng_state()
+        if not self.dist.enabled:
+            return [state]
+        gathered: list[Any] = [None] * self.dist.world_size
+        torch.distributed.all_gather_object(gathered, state)
+        return gathered
+
+    def step_files(self) -> list[Path]:
+        return [p for _, p in checkpoint.step_checkpoints(self.run_dir)]
+
+    def _prune_step_files(self) -> None:
+        """Keep the newest max(keep_last, average_last) step files, and those on the keep_every grid."""
+        keep, every = max(self.tcfg.keep_last, self.tcfg.average_last), self.tcfg.keep_every
+        files = checkpoint.step_checkpoints(self.run_dir)
+        for step, path in files[:-keep] if keep > 0 else files:
+            if not (every > 0 and step % every == 0):
+                with self.writing(path, "deleting an old step checkpoint"):
+                    path.unlink(missing_ok=True)
+
+    def _average(self) -> None:
+        """RUN/averaged.pt: the mean of the last average_last step files; written before the last.pt
+        that marks the run finished, so a finished run always has it."""
+        files = self.step_files()[-self.tcfg.average_last:]
+        out = self.run_dir / "averaged.pt"
+        with self.writing(out, "checkpoint write", Exception):
+            checkpoint.average_checkpoints(files, out)
+        self.log(f"averaged {len(files)} checkpoints -> {out}")
+
+    # ------------------------------------------------------------ logging
+
+    def log(self, message: str) -> None:
+        if self.dist.is_main:
+            tqdm.write(message, file=sys.stderr)
