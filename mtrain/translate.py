@@ -190,7 +190,7 @@ def translate_checkpoints(checkpoints: str | Path | list[str | Path], lines: lis
 
 # --- files -------------------------------------------------------------------------------------
 
-def read_lines(handle: IO[bytes], name: str, max_chars: int | None = None) -> Iterator[str]:
+def stream_lines(handle: IO[bytes], name: str, max_chars: int | None = None) -> Iterator[str]:
     """Lines without their line end (split on "\\n" only); invalid UTF-8 names the line. With
     max_chars, a longer line keeps only its start, still more than max_chars characters (so it is
     cut, and counted, where it is encoded), and its rest is read in blocks, checked and dropped:
@@ -236,8 +236,8 @@ def invalid_utf8(name: str, number: int, byte: int) -> MtrainError:
 
 
 def read_chunks(handle: IO[bytes], name: str, size: int, max_chars: int | None = None) -> Iterator[list[str]]:
-    """read_lines' lines in lists of `size`."""
-    lines = read_lines(handle, name, max_chars)
+    """stream_lines' lines in lists of `size`."""
+    lines = stream_lines(handle, name, max_chars)
     while chunk := list(itertools.islice(lines, size)):
         yield chunk
 

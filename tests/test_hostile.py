@@ -28,7 +28,7 @@ from mtrain import translate as translate_module
 from mtrain.cli import app
 from mtrain.config import SECTIONS, Config, check_ranges, load_config
 from mtrain.errors import MtrainError
-from mtrain.translate import char_cap, encode_capped, read_lines
+from mtrain.translate import char_cap, encode_capped, stream_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_RSS_MB = 1500  # generous: the peaks measured are 250 to 600 MB (see each test)
@@ -109,7 +109,7 @@ def test_the_character_cap_counts_a_line_as_cut_only_past_it(tokenizer):  # noqa
     assert n_cut == 2 and ids[1] == ids[3] == [] and ids[2] == tokenizer.src.encode([REAL[0]])[0]
 
 
-def test_read_lines_keeps_the_start_of_an_overlong_line(monkeypatch):
+def test_stream_lines_keeps_the_start_of_an_overlong_line(monkeypatch):
     """An overlong line keeps more than max_chars characters (so it is still cut and counted
     where it is encoded), at most 4 * (max_chars + 1); the rest is read in small blocks, also
     when a character straddles a block boundary; the lines after it are untouched."""
@@ -117,7 +117,7 @@ def test_read_lines_keeps_the_start_of_an_overlong_line(monkeypatch):
     long = "a" + "äö€😀" * 100
     exact = "ä€😀x" * 5  # 20 characters in 50 bytes: not cut with max_chars=20
     data = (long + "\r\n" + exact + "\n\n" + long + "\nlast").encode("utf-8")
-    got = list(read_lines(io.BytesIO(data), "mem", max_chars=20))
+    got = list(stream_lines(io.BytesIO(data), "mem", max_chars=20))
     assert len(got) == 5 and got[1:3] == [exact, ""] and got[4] == "last"
     for head in (got[0], got[3]):
         assert long.startswith(head) and 20 < len(head) <= 4 * 21
@@ -128,10 +128,10 @@ def test_read_lines_keeps_the_start_of_an_overlong_line(monkeypatch):
     (b"x" * 200 + "😀".encode()[:2], 1, 201),  # a character cut short by the end of the input
     (b"x" * 90 + b"\xed\xa0\x80" + b"x" * 90 + b"\n", 1, 91),  # an encoded lone surrogate
 ])
-def test_read_lines_checks_the_rest_it_drops(monkeypatch, bad, line, byte):
+def test_stream_lines_checks_the_rest_it_drops(monkeypatch, bad, line, byte):
     monkeypatch.setattr(translate_module, "READ_BLOCK", 5)
     with pytest.raises(MtrainError, match=rf"^mem:{line}: invalid UTF-8 \(byte {byte} of the line\)"):
-        list(read_lines(io.BytesIO(bad), "mem", max_chars=10))
+        list(stream_lines(io.BytesIO(bad), "mem", max_chars=10))
 
 
 def test_score_cuts_both_sides_and_says_which(checkpoint, tmp_path):  # noqa: F811
