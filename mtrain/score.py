@@ -14,22 +14,18 @@ import torch
 from tqdm import tqdm
 
 from mtrain.checkpoint import load_models
+from mtrain.data import Ragged, Split, collate, to_ragged_arrays
 from mtrain.hardware import resolve_device
 from mtrain.search import Decoder
-from mtrain.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from mtrain.tokenizer import PAD_ID, Tokenizer
 from mtrain.translate import (CHUNK_LINES, atomic_output, char_cap, check_parallel, decode_batches, encode_capped,
-                              open_input, pad_sources, paired_chunks, read_chunks, warn_cut)
+                              open_input, paired_chunks, read_chunks, warn_cut)
 
 
-def pad_targets(seqs: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tgt_in, tgt_out): BOS + ids and ids + EOS, right-padded with PAD (as training collates them)."""
-    width = max(map(len, seqs)) + 1
-    tgt_in = torch.full((len(seqs), width), PAD_ID, dtype=torch.long)
-    tgt_out = torch.full((len(seqs), width), PAD_ID, dtype=torch.long)
-    for row, ids in enumerate(seqs):
-        tgt_in[row, : len(ids) + 1] = torch.tensor([BOS_ID, *ids], dtype=torch.long)
-        tgt_out[row, : len(ids) + 1] = torch.tensor([*ids, EOS_ID], dtype=torch.long)
-    return tgt_in.to(device), tgt_out.to(device)
+def pairs_split(src_ids: list[list[int]], tgt_ids: list[list[int]]) -> Split:
+    """Encoded pairs as a Split with no text behind it, so that mtrain.data.collate lays them out
+    exactly as training does (src + EOS, BOS + tgt, tgt + EOS): score is the training NLL."""
+    return Split("pairs", Ragged(*to_ragged_arrays(src_ids)), Ragged(*to_ragged_arrays(tgt_ids)), Path())
 
 
 @torch.inference_mode()
@@ -60,11 +56,10 @@ def score_pairs(model: Decoder, tokenizer: Tokenizer, sources: list[str], target
 def score_ids(model: Decoder, src_ids: list[list[int]], tgt_ids: list[list[int]], max_tokens: int,
               device: torch.device | str, bar=None) -> list[tuple[float, int]]:
     """score_pairs on encoded pairs."""
-    device = torch.device(device)
+    device, split = torch.device(device), pairs_split(src_ids, tgt_ids)
     results: list[tuple[float, int]] = [(0.0, 0)] * len(src_ids)
     for rows in decode_batches([max(len(s), len(t)) for s, t in zip(src_ids, tgt_ids)], max_tokens):
-        src = pad_sources([src_ids[i] for i in rows], device)
-        tgt_in, tgt_out = pad_targets([tgt_ids[i] for i in rows], device)
+        src, tgt_in, tgt_out = collate(split, rows, device=device)
         for i, total in zip(rows, score_batch(model, src, tgt_in, tgt_out)):
             results[i] = (total, len(tgt_ids[i]) + 1)
         if bar is not None:

@@ -18,9 +18,8 @@ from mtrain.cli import app
 from mtrain.data import TokenizedData, collate, target_tokens
 from mtrain.ensemble import Ensemble
 from mtrain.loss import Objective
-from mtrain.score import pad_targets, score_batch, score_pairs
+from mtrain.score import pairs_split, score_batch, score_pairs
 from mtrain.tokenizer import BOS_ID, EOS_ID
-from mtrain.translate import pad_sources
 
 
 def test_score_equals_the_training_nll_of_the_same_pairs(tokenized_slice):
@@ -47,9 +46,9 @@ def test_score_equals_the_training_nll_of_the_same_pairs(tokenized_slice):
 @torch.inference_mode()
 def test_an_ensemble_scores_the_log_of_the_mean_probability():
     a, b = random_model(1), random_model(2)
-    src = pad_sources([[5, 6, 7], [8]], torch.device("cpu"))
     targets = [[9, 4, 10], [6]]
-    tgt_in, tgt_out = pad_targets(targets, torch.device("cpu"))
+    src, tgt_in, tgt_out = collate(pairs_split([[5, 6, 7], [8]], targets), [0, 1])
+    assert src.tolist() == [[5, 6, 7, EOS_ID], [8, EOS_ID, 0, 0]]
     assert tgt_in.tolist() == [[BOS_ID, 9, 4, 10], [BOS_ID, 6, 0, 0]] and tgt_out.tolist() == [[9, 4, 10, EOS_ID], [6, EOS_ID, 0, 0]]
     got = score_batch(Ensemble([a, b]), src, tgt_in, tgt_out)
     for row, ids in enumerate(targets):
