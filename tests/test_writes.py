@@ -196,15 +196,18 @@ def test_a_resume_drops_a_validation_logged_after_its_last_pt(tmp_path):
     assert MetricsLog(path, resume_step=4, last_eval_step=4).records == records[:4]
 
 
+class Fault:
+    """A hand-armed fault for fail_and_rerun: `failed` once it fired, disarm() before the rerun."""
+
+    armed, failed = True, False
+
+    def disarm(self):
+        self.armed = False
+
+
 def test_failing_to_delete_an_old_step_file_stops_the_run(copy_data, reference, tmp_path, monkeypatch):  # noqa: F811
     """keep_last pruning at update 6 cannot delete step-2.pt (an I/O error): one line naming it."""
     real_unlink = pathlib.Path.unlink
-
-    class Fault:
-        armed, failed = True, False
-
-        def disarm(self):
-            self.armed = False
 
     fault = Fault()
 
@@ -243,12 +246,6 @@ def test_a_failing_wandb_call_stops_the_run_and_the_rerun_continues_the_same_run
     fake = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", fake)
     real_log = fake.Run.log
-
-    class Fault:
-        armed, failed = True, False
-
-        def disarm(self):
-            self.armed = False
 
     fault = Fault()
 
