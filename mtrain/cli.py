@@ -305,3 +305,34 @@ def average(
 
 if __name__ == "__main__":
     app()
+
+
+@app.command()
+@friendly
+def export(
+    checkpoint: List[Path] = typer.Option(..., "--checkpoint", help="One checkpoint written by `mtrain train` (averaged.pt is the usual one)."),
+    format: str = typer.Option(..., "--format", help="ctranslate2 (for ctranslate2.Translator) or huggingface (MarianMTModel + MarianTokenizer)."),
+    out: Path = typer.Option(..., "--out", help="The folder to write (new or empty; --force replaces it)."),
+    quantization: Optional[str] = typer.Option(None, "--quantization", help="ctranslate2 only: int8, int8_float32, int16, float16 or bfloat16 (default float32)."),
+    force: bool = typer.Option(False, "--force", help="Replace --out if it exists and is not empty."),
+    check: Optional[Path] = typer.Option(None, "--check", help="Source sentences to check parity on (raw text, one a line; default: a built-in handful)."),
+    check_ref: Optional[Path] = typer.Option(None, "--check-ref", help="Their reference translations (one a line), for log-probabilities and BLEU."),
+    data: Optional[Path] = typer.Option(None, "--data", help="A tokenized data folder: check parity on its validation split (sources and references)."),
+    check_lines: int = typer.Option(200, "--check-lines", help="Check on at most this many sentences."),
+    as_json: bool = typer.Option(False, "--json", help="Print the parity report as one JSON object."),
+) -> None:
+    """Export a checkpoint to CTranslate2 or Hugging Face, and check that it translates like mtrain."""
+    from mtrain.export import ParityError, check_request, export_checkpoint
+    from mtrain.export.checkset import read_check_set
+    from mtrain.export.parity import format_report
+
+    check_request(list(checkpoint), format, out, quantization, force)
+    check_set = read_check_set(check, check_ref, data, check_lines)
+    try:
+        result = export_checkpoint(checkpoint[0], format, out, quantization, force, check_set)
+    except ParityError as err:
+        typer.echo(json.dumps(err.result) if as_json else format_report(err.result))
+        raise
+    typer.echo(json.dumps(result) if as_json else format_report(result))
+    sys.stdout.flush()
+    typer.echo(f"wrote {out} ({format}{', ' + quantization if quantization else ''})", err=True)

@@ -11,7 +11,7 @@ import re
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Iterator, Protocol, runtime_checkable
 
 import torch
 
@@ -89,10 +89,35 @@ def pad_sources(seqs: list[list[int]], device: torch.device) -> torch.Tensor:
     return src.to(device)
 
 
-def _search(model: Decoder, src: torch.Tensor, max_len: torch.Tensor, decode: DecodeConfig,
+@runtime_checkable
+class Engine(Protocol):
+    """A model that runs its own search (an exported CTranslate2 folder: mtrain.export.runtime)."""
+
+    def search(self, src: torch.Tensor, max_len: torch.Tensor, decode: DecodeConfig,
+               prefixes: list[list[int]] | None) -> list[list[tuple[list[int], float]]]: ...
+
+
+def load_for_decoding(paths: str | Path | list[str | Path], device: torch.device):
+    """(model, tokenizer, checkpoint dict) for checkpoints (several: an ensemble), or for one folder
+    written by `mtrain export --format ctranslate2`."""
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    if any(Path(p).is_dir() for p in paths):
+        if len(paths) > 1:
+            raise MtrainError(f"{next(p for p in paths if Path(p).is_dir())}: an exported folder decodes alone; "
+                              "an ensemble needs mtrain checkpoint files")
+        from mtrain.export.runtime import CTranslate2Model
+
+        engine = CTranslate2Model(paths[0], device)
+        return engine, engine.tokenizer, {"stats": engine.meta.get("stats") or {}}
+    return load_models(paths, device)
+
+
+def _search(model: Decoder | Engine, src: torch.Tensor, max_len: torch.Tensor, decode: DecodeConfig,
             prefixes: list[list[int]] | None, lines: list[int]) -> list[list[tuple[list[int], float]]]:
     """decode.nbest (ids, score) per row: beam search, sampling, or greedy search (score 0.0).
     lines: each row's line number in the whole input, which picks its sampling streams."""
+    if isinstance(model, Engine):
+        return model.search(src, max_len, decode, prefixes)
     if decode.sample:
         n = decode.nbest
         streams = [stream_key(decode.seed, line, k) for line in lines for k in range(n)]
@@ -184,7 +209,7 @@ def translate_checkpoints(checkpoints: str | Path | list[str | Path], lines: lis
     """The best translation of each line by a checkpoint (several: an ensemble), with a progress bar."""
     check_decode(decode)
     resolved = resolve_device(device)
-    model, tokenizer, ckpt = load_models(checkpoints, resolved)
+    model, tokenizer, ckpt = load_for_decoding(checkpoints, resolved)
     return translate_lines(model, tokenizer, lines, decode, resolved, stats=ckpt.get("stats") or None, progress=True)
 
 
@@ -316,7 +341,7 @@ def translate_file(checkpoints: str | Path | list[str | Path], input: str, outpu
         check_parallel("prefix", prefix, input)
     resolved = resolve_device(device)
     with open_input(input) as (handle, name, interactive), contextlib.ExitStack() as stack:
-        model, tokenizer, ckpt = load_models(checkpoints, resolved)
+        model, tokenizer, ckpt = load_for_decoding(checkpoints, resolved)
         stats = ckpt.get("stats") or None
         # Typed lines are answered one at a time; files and pipes go in chunks with a progress bar.
         size = 1 if interactive else CHUNK_LINES
