@@ -56,10 +56,12 @@ def card_text(meta: dict[str, Any], model, stats: dict[str, Any], valid_bleu: fl
         f"{parity['greedy_identical']:.0%} identical greedy translations.",
         "",
         "## Use",
+        "With transformers 4.x, `pipeline(\"translation\", model=\"PATH\")` works as well.",
         "```python",
-        "from transformers import pipeline",
-        'translate = pipeline("translation", model="PATH")',
-        'print(translate("...")[0]["translation_text"])',
+        "from transformers import AutoModelForSeq2SeqLM, AutoTokenizer",
+        'tokenizer, model = AutoTokenizer.from_pretrained("PATH"), AutoModelForSeq2SeqLM.from_pretrained("PATH")',
+        'output = model.generate(**tokenizer(["..."], return_tensors="pt", padding=True))',
+        "print(tokenizer.batch_decode(output, skip_special_tokens=True))",
         "```",
         "Decoding starts from `<s>` (`decoder_start_token_id`); the tokenizer appends `</s>` to the source. "
         "`MarianTokenizer` normalizes punctuation with sacremoses when it is installed, which mtrain does not: "

@@ -181,6 +181,7 @@ def write(model: Transformer, tokenizer: Tokenizer, folder: Path, ckpt: dict[str
     """Save the MarianMTModel (safetensors), its generation config and tokenizer into `folder`."""
     from transformers import MarianMTModel
 
+    quiet()
     hf = MarianMTModel(marian_config(model, max_positions))
     missing, unexpected = hf.load_state_dict(marian_state(model), strict=False)
     missing = [k for k in missing if "embed_positions" not in k]
@@ -193,15 +194,22 @@ def write(model: Transformer, tokenizer: Tokenizer, folder: Path, ckpt: dict[str
     return {"suppress_tokens": ["<pad>", "<s>"]}
 
 
+def quiet() -> None:
+    """No per-shard progress bars or generate() notes on stderr: export prints its own report."""
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
 class MarianModel:
     """An exported folder loaded in transformers, searched greedily by `generate` (for the parity
     report: the same length limit and banned tokens as mtrain's greedy search)."""
 
     def __init__(self, folder: Path, max_len: int) -> None:
         from transformers import MarianMTModel
-        from transformers.utils import logging
 
-        logging.set_verbosity_error()  # generate() warns about max_length when max_new_tokens is given
+        quiet()
         self.model = MarianMTModel.from_pretrained(folder).eval()
         self.cfg = Shape(max_len=max_len)
 
