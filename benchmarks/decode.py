@@ -8,6 +8,11 @@ batch gets one target length L (its longest source, in tokens) and EOS is suppre
 All systems see the same length-sorted batches (mtrain's 4096 source-token budget).
 
     python benchmarks/decode.py [--quick] [--json] [--sentences N] [--threads T]
+    python benchmarks/decode.py --checkpoint RUN/averaged.pt [--json] [--threads T]
+
+With --checkpoint, a real trained model instead: test2016 translated by mtrain (beam 5) and by its
+`mtrain export` to CTranslate2 in float32 and int8 (beam 5, CTranslate2's own search and length
+penalty), all through mtrain's text handling; sentences/s and cased sacreBLEU of each, same run.
 
 Prints a table (stderr with --json) and, with --json, one JSON object on stdout with
 mtrain_greedy_sent_s, mtrain_beam5_sent_s, hf_beam5_sent_s, ct2_beam5_sent_s (when installed),
@@ -187,6 +192,47 @@ def timed(systems: dict, batches) -> dict[str, float]:
     return seconds
 
 
+def real_model(checkpoint: Path, n: int, threads: int, emit) -> dict:
+    """mtrain beam 5 vs its CTranslate2 exports (float32, int8) on test2016 of the checkpoint's data."""
+    import sacrebleu
+
+    from mtrain.checkpoint import load_model
+    from mtrain.config import DecodeConfig
+    from mtrain.export import export_checkpoint
+    from mtrain.translate import load_for_decoding, translate_lines
+
+    model, tokenizer, ckpt = load_model(checkpoint)
+    data = ckpt["config"]["data"]
+    corpus = corpus_dir()
+    sources = (corpus / f"test2016.{data['src']}").read_text(encoding="utf-8").splitlines()[:n]
+    refs = (corpus / f"test2016.{data['tgt']}").read_text(encoding="utf-8").splitlines()[:n]
+    decode = DecodeConfig(**{**ckpt["config"].get("decode", {}), "beam": BEAM, "nbest": 1})
+    systems = {"mtrain_beam5": model}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, quantization in (("ct2_float32_beam5", None), ("ct2_int8_beam5", "int8")):
+            export_checkpoint(checkpoint, "ctranslate2", Path(tmp) / name, quantization)
+            systems[name] = load_for_decoding(Path(tmp) / name, torch.device("cpu"))[0]
+        results, seconds, outputs = {}, dict.fromkeys(systems, 0.0), {name: [] for name in systems}
+        chunks = [sources[i : i + 100] for i in range(0, len(sources), 100)]
+        for name, system in systems.items():  # warm-up
+            translate_lines(system, tokenizer, sources[:8], decode, "cpu", ckpt["stats"])
+        for chunk in chunks:  # systems take turns, chunk by chunk (see timed)
+            for name, system in systems.items():
+                start = time.perf_counter()
+                outputs[name] += translate_lines(system, tokenizer, chunk, decode, "cpu", ckpt["stats"])
+                seconds[name] += time.perf_counter() - start
+    emit(f"{checkpoint}: {len(sources)} test2016 sentences, beam {BEAM}, lenpen {decode.lenpen}, {threads} threads")
+    for name in systems:
+        bleu = sacrebleu.corpus_bleu(outputs[name], [refs]).score
+        results[f"{name}_sent_s"] = round(len(sources) / seconds[name], 2)
+        results[f"{name}_bleu"] = round(bleu, 2)
+        emit(f"{name:<20} {len(sources) / seconds[name]:9.1f} sent/s   BLEU {bleu:6.2f}  ({seconds[name]:.1f} s)")
+    for name in ("ct2_float32_beam5", "ct2_int8_beam5"):
+        results[f"{name}_vs_mtrain"] = round(results[f"{name}_sent_s"] / results["mtrain_beam5_sent_s"], 3)
+    results.update(checkpoint=str(checkpoint), sentences=len(sources), threads=threads, torch=torch.__version__)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="300 sentences instead of 1000")
@@ -194,11 +240,18 @@ def main() -> None:
     parser.add_argument("--sentences", type=int, default=0, help="override the number of sentences")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads for every system (0 = torch's default)")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--checkpoint", type=Path, help="a trained checkpoint: mtrain vs its CTranslate2 exports")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     n = args.sentences or (300 if args.quick else 1000)
+    if args.checkpoint is not None:
+        table = sys.stderr if args.json else sys.stdout
+        results = real_model(args.checkpoint, n, threads, lambda line: print(line, file=table, flush=True))
+        if args.json:
+            print(json.dumps(results))
+        return
 
     corpus = corpus_dir()
     tokenizer = load_tokenizer(corpus)
