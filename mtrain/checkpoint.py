@@ -52,6 +52,9 @@ def save_atomic(obj: dict[str, Any], path: str | Path) -> None:
 def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Read a checkpoint with weights_only=True; any problem becomes a one-line MtrainError."""
     path = Path(path)
+    if path.is_dir():
+        raise MtrainError(f"{path}: a folder, not a checkpoint file; pass a file written by `mtrain train` (e.g. RUN/best.pt) "
+                          "(translate and eval also take a folder written by `mtrain export --format ctranslate2`)")
     if not path.is_file():
         raise MtrainError(f"{path}: checkpoint not found; pass a file written by `mtrain train` (e.g. RUN/best.pt)")
     _check_crc(path)
