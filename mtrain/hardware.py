@@ -11,18 +11,26 @@ import torch
 from mtrain.errors import MtrainError
 
 
+def cpu_bf16_isa() -> str | None:
+    """How this CPU multiplies bfloat16 in hardware: "AMX", "AVX512-BF16" (x86), "oneDNN" (what
+    oneDNN reports elsewhere, e.g. aarch64), or None when bf16 matmuls would be emulated: 0.9
+    GFLOP/s against 45 in float32 on one core of an AVX2-only AMD EPYC, and a training step took
+    35 s instead of 1.3 s (docs/recipe.md)."""
+    cpu = getattr(torch, "cpu", None)
+    checks = {"AMX": getattr(cpu, "_is_amx_tile_supported", None),
+              "AVX512-BF16": getattr(cpu, "_is_avx512_bf16_supported", None)}
+    if all(callable(check) for check in checks.values()):
+        return next((name for name, check in checks.items() if check()), None)
+    try:  # non-x86 builds (aarch64): ask oneDNN
+        return "oneDNN" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (x86 AMX or AVX512-BF16; oneDNN's check
-    elsewhere). Without it bf16 matmuls are emulated: 0.9 GFLOP/s against 45 in float32 on one core
-    of an AVX2-only AMD EPYC, and a training step took 35 s instead of 1.3 s (docs/recipe.md)."""
-    cpu = getattr(torch, "cpu", None)
-    x86 = [getattr(cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
-    if all(callable(check) for check in x86):
-        return any(check() for check in x86)
-    try:  # non-x86 builds (aarch64): ask oneDNN
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+    elsewhere); see cpu_bf16_isa."""
+    return cpu_bf16_isa() is not None
 
 
 def cpu_model() -> str | None:
@@ -65,14 +73,17 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
-    """train.amp -> autocast dtype: auto = bf16 on GPUs that support it, fp16 on older GPUs, off on CPU.
-    bf16 on a CPU without native bfloat16 falls back to float32 (see amp_note): it would be ~30x slower."""
+    """train.amp -> autocast dtype (None = float32). auto = bfloat16 where the hardware multiplies it
+    natively: CPUs with AMX or AVX512-BF16 (1.5-2x the float32 tokens/s, docs/benchmarks.md) and
+    GPUs that support it; float16 on older GPUs (with a GradScaler); float32 on other CPUs, where
+    bf16 would be emulated (~30x slower). An explicit bf16 on such a CPU also falls back to float32
+    (see amp_note)."""
     if amp == "off":
         return None
     if amp == "auto":
-        if device.type != "cuda":
-            return None
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else None
     if amp == "bf16":
         if device.type == "cpu" and not cpu_has_native_bf16():
             return None
@@ -84,10 +95,29 @@ def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
     raise MtrainError(f"train.amp={amp!r}: unknown value; use auto, bf16, fp16 or off")
 
 
+PRECISION_NAMES = {None: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def precision_name(dtype: torch.dtype | None) -> str:
+    """The name --dry-run and the log give the precision a run trains in."""
+    return PRECISION_NAMES[dtype]
+
+
 def amp_note(amp: str, dtype: torch.dtype | None, device: torch.device) -> str:
-    """One line for the log: the precision training runs in, and why when it is not what was asked."""
-    name = {None: "float32", torch.bfloat16: "bfloat16 autocast", torch.float16: "float16 autocast"}[dtype]
-    if amp == "bf16" and dtype is None:
-        return (f"precision: {name} (train.amp=bf16 asked, but this CPU has no native bfloat16: "
-                f"emulated, bf16 would run ~30x slower)")
-    return f"precision: {name} (train.amp={amp}, {device.type})"
+    """One line for the log and --dry-run: the precision training runs in, and why."""
+    name = precision_name(dtype)
+    if dtype is None:
+        if amp == "bf16":
+            return (f"precision: {name} (train.amp=bf16 asked, but this CPU has no native bfloat16: "
+                    f"emulated, bf16 would run ~30x slower)")
+        if amp == "auto" and device.type == "cpu":
+            return f"precision: {name} (train.amp=auto: cpu without native bfloat16)"
+        return f"precision: {name} (train.amp={amp}: {device.type})"
+    where = device.type
+    if device.type == "cpu":
+        isa = cpu_bf16_isa()
+        where = f"cpu with native bfloat16, {isa}" if isa else "cpu with native bfloat16"
+    elif device.type == "cuda":
+        where = torch.cuda.get_device_name(device)
+    hint = "; --set train.amp=off for float32" if amp == "auto" else ""
+    return f"precision: {name} (train.amp={amp}: {where}; autocast over float32 weights{hint})"

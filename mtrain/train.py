@@ -32,7 +32,7 @@ from mtrain.atomic import atomic_write
 from mtrain.config import Config, to_dict, to_yaml
 from mtrain.data import target_tokens
 from mtrain.errors import MtrainError
-from mtrain.hardware import amp_note, resolve_device
+from mtrain.hardware import amp_note, precision_name, resolve_device
 from mtrain.lock import RunLock
 from mtrain.plot import MetricsLog, plot_metrics
 from mtrain.resume import empty_window
@@ -315,7 +315,8 @@ def summarize(trainer: Trainer) -> dict[str, Any]:
         "updates_per_epoch": math.ceil(len(batches) / (trainer.tcfg.update_freq * trainer.dist.world_size)),
         "tokens_per_batch": {"mean": round(float(np.mean(padded)), 1), "max": int(max(padded))},
         "target_tokens_per_batch": {"mean": round(float(np.mean(real)), 1), "max": int(max(real))},
-        "max_tokens": trainer.tcfg.max_tokens,
+        "max_tokens": trainer.tcfg.max_tokens,  # resolved: a number also for train.max_tokens=auto
+        "precision": precision_name(trainer.amp_dtype),
         "model": to_dict(trainer.cfg)["model"],
     }
 
@@ -338,6 +339,7 @@ def train(cfg: Config, data_dir: str | Path, run_dir: str | Path | None, device:
             trainer = Trainer(cfg, Path(data_dir), Path(run_dir or "."), torch_device, info)
             if dry_run:
                 summary = summarize(trainer)
+                trainer.log(amp_note(trainer.tcfg.amp, trainer.amp_dtype, trainer.device))
                 if info.is_main:
                     print(json.dumps(summary, indent=2))
                 return summary

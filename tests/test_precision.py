@@ -1,0 +1,65 @@
+"""train.amp: which precision a run resolves to on which hardware, and that `mtrain train
+--dry-run` and the training log say it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mtrain import hardware
+
+CPU = torch.device("cpu")
+TINY = ["model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.n_encoder_layers=1",
+        "model.n_decoder_layers=1", "train.num_threads=1"]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_is_bfloat16_exactly_on_cpus_that_multiply_it_natively(monkeypatch, native):
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: native)
+    assert hardware.resolve_amp("auto", CPU) is (torch.bfloat16 if native else None)
+    assert hardware.resolve_amp("off", CPU) is None
+    assert hardware.resolve_amp("bf16", CPU) is (torch.bfloat16 if native else None)
+
+
+@pytest.mark.parametrize("amx,avx512_bf16,isa", [(False, False, None), (True, False, "AMX"),
+                                                 (False, True, "AVX512-BF16"), (True, True, "AMX")])
+def test_the_note_names_the_instructions_that_make_bf16_native(monkeypatch, amx, avx512_bf16, isa):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    assert hardware.cpu_bf16_isa() == isa
+    dtype = hardware.resolve_amp("auto", CPU)
+    note = hardware.amp_note("auto", dtype, CPU)
+    assert "\n" not in note
+    if isa is None:
+        assert dtype is None and note.startswith("precision: float32 (train.amp=auto: cpu without native bfloat16")
+    else:
+        assert dtype is torch.bfloat16 and note.startswith("precision: bfloat16 (") and isa in note
+        assert "train.amp=off" in note  # how to get float32 back
+
+
+def test_auto_on_a_gpu_is_bfloat16_where_supported_else_float16(monkeypatch):
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert hardware.resolve_amp("auto", cuda) is torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert hardware.resolve_amp("auto", cuda) is torch.float16
+
+
+@pytest.mark.parametrize("native,amp,expected", [(True, "auto", "bfloat16"), (True, "off", "float32"),
+                                                 (False, "auto", "float32")])
+def test_dry_run_reports_the_resolved_precision(tokenized_slice, monkeypatch, native, amp, expected):
+    from typer.testing import CliRunner
+
+    from mtrain.cli import app
+
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: native)
+    args = ["train", "--data", str(tokenized_slice), "--dry-run", "--device", "cpu", "--set", f"train.amp={amp}"]
+    for item in TINY:
+        args += ["--set", item]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout[result.stdout.index("{"):])["precision"] == expected
+    lines = [line for line in result.stderr.splitlines() if line.startswith("precision: ")]
+    assert len(lines) == 1 and lines[0].startswith(f"precision: {expected} (train.amp={amp}")
