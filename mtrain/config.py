@@ -72,7 +72,11 @@ class TrainConfig:
     """The training loop: batching, optimisation, validation and checkpointing."""
 
     max_steps: int = 100_000  # optimizer updates
-    max_tokens: int = 4096  # tokens per batch (padding included), per side
+    # Tokens per batch (padding included), per side. auto: on a GPU, a start-up probe (forward,
+    # backward and step on the longest sentences) picks the largest budget that fits in its memory
+    # with a margin, and a resumed run keeps the value its last.pt was trained with; on a CPU,
+    # memory is not what limits a batch, so auto means the default, 4096.
+    max_tokens: int | str = 4096
     update_freq: int = 1  # batches accumulated per update
     warmup_steps: int = 4000
     lr_scale: float = 1.0  # lr = lr_scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
@@ -105,7 +109,10 @@ class TrainConfig:
     average_last: int = 0  # > 0: average the last K step checkpoints into averaged.pt at the end
     patience: int = 0  # stop after this many validations without a BLEU gain; 0 = never
     max_nonfinite: int = 10  # consecutive non-finite losses before training stops
-    amp: str = "auto"  # auto | bf16 | fp16 | off (auto: bf16 on GPUs that support it, else off)
+    # auto | bf16 | fp16 | off. auto: bfloat16 autocast (float32 weights) where the hardware
+    # multiplies bf16 natively: CPUs with AMX or AVX512-BF16 and GPUs that support it; float16 on
+    # older GPUs; float32 on other CPUs. off: always float32.
+    amp: str = "auto"
     compile: bool = False  # torch.compile the model
     num_threads: int = 0  # torch CPU threads; 0 = torch's default
     # Where else the metrics go besides RUN/metrics.jsonl: tensorboard (RUN/tensorboard/) and/or
@@ -212,6 +219,7 @@ def _quoted(text: str) -> str:
 
 
 SCALARS = (str, int, float, datetime.date)  # what YAML values may convert to a field's type
+INT_OR_AUTO = int | str  # the type of keys that take an integer or the word auto (train.max_tokens)
 INT_BOUND = 2**63  # integers fit int64: torch and numpy take no larger
 
 
@@ -220,6 +228,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     Only scalars convert: a list or mapping where one value belongs is an error, never its text."""
     if tp == tuple[str, ...]:
         return _coerce_names(value, where)
+    if tp == INT_OR_AUTO:
+        return _coerce_int_or_auto(value, where)
     if not isinstance(value, SCALARS):
         kind = {bool: "true/false", int: "an integer", float: "a number"}.get(tp, "text")
         raise MtrainError(f"{where}: expected {kind}, got {_show(value)}")
@@ -237,6 +247,19 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is float:
         return _coerce_float(value, where)
     return str(value)
+
+
+def _coerce_int_or_auto(value: Any, where: str) -> int | str:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if not isinstance(value, SCALARS) or isinstance(value, (bool, datetime.date)):
+        raise MtrainError(f"{where}: expected an integer or auto, got {_show(value)}")
+    try:
+        return _coerce_int(value, where)
+    except MtrainError as err:
+        if "out of range" in str(err):
+            raise
+        raise MtrainError(f"{where}: expected an integer or auto, got {_show(value)}") from None
 
 
 def _coerce_int(value: Any, where: str) -> int:
@@ -380,6 +403,8 @@ def check_ranges(config: Config) -> None:
     for dotted, (low, high) in RANGES.items():
         section, key = dotted.split(".")
         value = getattr(getattr(config, section), key)
+        if value == "auto":  # resolved when training starts (train.max_tokens)
+            continue
         if value < low or (high is not None and value >= high):
             bound = f"at least {low}" if high is None else f"in [{low}, {high})"
             raise MtrainError(f"{dotted}={value!r}: must be {bound}; change it in the config file or with --set {dotted}=...")

@@ -379,6 +379,8 @@ def assert_valid(cfg: Config) -> None:
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)
         kind = {"int": int, "float": float, "bool": bool, "str": str}.get(field.type)
+        if field.type == "int | str":  # an integer or the word auto (train.max_tokens)
+            kind = str if value == "auto" else int
         if kind is None:  # tuple[str, ...]
             assert isinstance(value, tuple) and all(isinstance(item, str) for item in value), dotted
         else:

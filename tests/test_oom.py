@@ -1,0 +1,212 @@
+"""Device memory: train.max_tokens=auto's start-up probe (mtrain.probe) against a fake device
+whose memory query is patched, and an out-of-memory error in the middle of a run, injected: one
+line naming the step, the batch shape and a smaller max_tokens, exit code 1, last.pt intact, and
+the same command resumes to the end of an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mtrain import checkpoint, probe
+from mtrain.cli import app
+from mtrain.errors import MtrainError
+
+MiB = 2 ** 20
+
+
+# ---------------------------------------------------------------- the search, on a memory model
+
+def line(fixed: float, per_token: float, hard: float = float("inf")):
+    """A step's peak memory at a budget: fixed + per_token * budget; out of memory past `hard`."""
+    calls = []
+
+    def measure(budget: int) -> int | None:
+        calls.append(budget)
+        peak = fixed + per_token * budget
+        return None if peak > hard else int(peak)
+    return measure, calls
+
+
+@pytest.mark.parametrize("fixed,per_token,capacity", [(500 * MiB, 0.2 * MiB, 8192 * MiB),
+                                                      (2000 * MiB, 1.5 * MiB, 24576 * MiB),
+                                                      (100 * MiB, 0.01 * MiB, 80000 * MiB)])
+def test_search_finds_the_largest_budget_under_the_margin(fixed, per_token, capacity):
+    measure, calls = line(fixed, per_token)
+    found = probe.search(measure, capacity, floor=100)
+    limit = (1 - probe.MARGIN) * capacity
+    assert found % probe.GRAIN == 0 and found <= probe.CEILING
+    assert fixed + per_token * found <= limit  # fits, margin kept
+    assert found == probe.CEILING or fixed + per_token * (found + probe.GRAIN) > limit  # and no more would
+    assert len(calls) <= 3  # a straight line needs no bisection
+
+
+def test_search_bisects_when_memory_runs_out_before_the_line_says():
+    """Fragmentation, or memory growing faster than the budget: the extrapolated budget runs out
+    of memory, and the search settles between the largest that fitted and it."""
+    measure, calls = line(500 * MiB, 0.2 * MiB, hard=3000 * MiB)
+    found = probe.search(measure, 8192 * MiB, floor=1000)
+    assert 500 * MiB + 0.2 * MiB * found <= 3000 * MiB
+    assert found >= (12500 - probe.GRAIN) * 15 / 16  # 12500 is the true largest
+    assert len(calls) <= 12
+
+
+def test_search_says_in_one_line_when_not_even_the_longest_pair_fits():
+    measure, _ = line(7900 * MiB, 1 * MiB)
+    with pytest.raises(MtrainError) as err:
+        probe.search(measure, 8192 * MiB, floor=300)
+    assert "\n" not in str(err.value) and "even 320 tokens" in str(err.value)
+
+
+def test_the_probe_batch_is_the_longest_pairs_the_budget_holds():
+    import numpy as np
+
+    src, tgt = np.array([3, 9, 4, 20, 7, 19]), np.array([5, 8, 25, 2, 6, 18])
+    rows = probe.longest_rows(src, tgt, 80)  # costs max + 1: 6, 10, 26, 21, 8, 20
+    assert rows.tolist() == [2, 3, 5]  # 80 // 26 = 3 rows, the three most costly
+    assert probe.longest_rows(src, tgt, 10).tolist() == [2]  # at least one
+
+
+# ---------------------------------------------------------------- the probe in a run, on a fake device
+
+TINY = ["model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.n_encoder_layers=1",
+        "model.n_decoder_layers=1", "train.warmup_steps=10", "train.num_threads=1", "train.log_every=1",
+        "train.eval_every=100", "train.eval_max_sentences=2"]
+
+
+class FakeDevice:
+    """A memory query patched in for the CPU: a step needs fixed + per_token * (padded tokens of
+    its largest side), and a step needing more than `capacity` runs out of memory, as CUDA would."""
+
+    def __init__(self, capacity: int, fixed: int = 100 * MiB, per_token: int = MiB // 8) -> None:
+        self.total, self.fixed, self.per_token, self.current = capacity, fixed, per_token, 0
+
+    def need(self, tokens: int) -> int:
+        return self.fixed + self.per_token * tokens
+
+    def capacity(self) -> int:
+        return self.total
+
+    def reset(self) -> None:
+        self.current = 0
+
+    def peak(self) -> int:
+        return self.current
+
+    def patch(self, monkeypatch) -> None:
+        """Route the probe to this device, and make every forward + backward allocate on it."""
+        from mtrain import trainer
+
+        original = trainer.forward_backward
+
+        def forward_backward(objective, micro, *args, **kwargs):
+            for src, tgt_in, _ in micro:
+                need = self.need(max(src.numel(), tgt_in.numel()))
+                if need > self.total:
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+                self.current = max(self.current, need)
+            return original(objective, micro, *args, **kwargs)
+
+        monkeypatch.setattr(trainer, "forward_backward", forward_backward)
+        monkeypatch.setattr(probe, "memory_gauge", lambda device: self)
+
+
+def train_cli(data, out, *sets: str):
+    args = ["train", "--data", str(data), "--device", "cpu"] + (["--out", str(out)] if out else ["--dry-run"])
+    for item in TINY + list(sets):
+        args += ["--set", item]
+    return CliRunner().invoke(app, args)
+
+
+def test_auto_picks_the_largest_budget_that_fits_and_says_so(tokenized_slice, monkeypatch):
+    device = FakeDevice(capacity=800 * MiB)
+    device.patch(monkeypatch)
+    result = train_cli(tokenized_slice, None, "train.max_tokens=auto")
+    assert result.exit_code == 0, result.output
+    chosen = json.loads(result.stdout[result.stdout.index("{"):])["max_tokens"]
+    from mtrain.data import TokenizedData
+
+    split = TokenizedData(tokenized_slice).split("train")
+    longest = probe.longest_cost(split.src.lengths, split.tgt.lengths)
+    padded = lambda budget: (budget // longest) * longest  # noqa: E731 - the probe batch's size
+    limit = 0.9 * device.total
+    assert device.need(padded(chosen)) <= limit
+    assert device.need(padded(chosen * 17 // 16 + 2 * probe.GRAIN + longest)) > limit  # near the largest
+    logged = [x for x in result.stderr.splitlines() if x.startswith("train.max_tokens=auto:")]
+    assert logged == [f"train.max_tokens=auto: {chosen} (the largest budget whose step on the longest training "
+                      f"pairs fits in cpu's memory with 10% left free)"]
+    assert "max_tokens probe:" in result.stderr  # each budget tried, with its peak
+
+
+def test_auto_run_starts_as_one_given_its_budget_and_resumes_with_it(tokenized_slice, tmp_path, monkeypatch):
+    """The probe forks the RNG and uses a throw-away model: a run with auto trains bit-identically
+    to one given the chosen number. Resuming keeps the stored budget, whatever the device now says."""
+    device = FakeDevice(capacity=800 * MiB)
+    device.patch(monkeypatch)
+    auto = train_cli(tokenized_slice, tmp_path / "auto", "train.max_tokens=auto", "train.max_steps=3")
+    assert auto.exit_code == 0, auto.output
+    chosen = checkpoint.load(tmp_path / "auto" / "last.pt")["config"]["train"]["max_tokens"]
+    assert isinstance(chosen, int) and chosen >= 1024
+    given = train_cli(tokenized_slice, tmp_path / "given", f"train.max_tokens={chosen}", "train.max_steps=3")
+    assert given.exit_code == 0, given.output
+    a, b = (checkpoint.load(tmp_path / name / "last.pt")["model"] for name in ("auto", "given"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    device.total = 1600 * MiB  # the probe would now pick more
+    again = train_cli(tokenized_slice, tmp_path / "auto", "train.max_tokens=auto", "train.max_steps=4")
+    assert again.exit_code == 0, again.output
+    assert f"train.max_tokens=auto: {chosen} (the value {tmp_path / 'auto' / 'last.pt'} was trained with)" in again.stderr
+    assert "max_tokens probe:" not in again.stderr
+
+
+def test_auto_on_a_cpu_is_the_default_budget(tokenized_slice):
+    result = train_cli(tokenized_slice, None, "train.max_tokens=auto")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout[result.stdout.index("{"):])["max_tokens"] == probe.CPU_DEFAULT
+
+
+# ---------------------------------------------------------------- out of memory mid-run
+
+def test_out_of_memory_mid_run_is_one_line_and_the_run_resumes(tokenized_slice, tmp_path, monkeypatch):
+    """Update 5 meets a batch too large for the device (injected). The run stops with one line:
+    the step, the batch's shape, a smaller max_tokens; last.pt (saved at update 4) is untouched;
+    the same command on a device with room then ends bit-identical to a run never stopped."""
+    from mtrain import trainer
+
+    sets = ["train.max_tokens=512", "train.max_steps=8", "train.save_every=2"]
+    whole = train_cli(tokenized_slice, tmp_path / "whole", *sets)
+    assert whole.exit_code == 0, whole.output
+    original, calls = trainer.forward_backward, []
+
+    def forward_backward(objective, micro, *args, **kwargs):
+        calls.append(micro)
+        if len(calls) == 5:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return original(objective, micro, *args, **kwargs)
+
+    out = tmp_path / "cut"
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer, "forward_backward", forward_backward)
+        cut = train_cli(tokenized_slice, out, *sets)
+    assert cut.exit_code == 1
+    assert "Traceback" not in cut.output
+    last = cut.stderr.strip().splitlines()[-1]
+    src, tgt, _ = calls[4][0]
+    assert last == (f"error: step 5: out of cpu memory in a batch of {src.shape[0]} x {src.shape[1]} source / "
+                    f"{tgt.shape[0]} x {tgt.shape[1]} target tokens (train.max_tokens=512); {out / 'last.pt'} is "
+                    "intact, and re-running the same command with --set train.max_tokens=384 resumes from it")
+    assert checkpoint.load(out / "last.pt")["step"] == 4
+    resumed = train_cli(tokenized_slice, out, *sets)
+    assert resumed.exit_code == 0 and "resuming from" in resumed.stderr
+    a, b = (checkpoint.load(tmp_path / name / "last.pt")["model"] for name in ("whole", "cut"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_suggested_budget_is_smaller_and_a_multiple_of_64():
+    from mtrain.trainer import suggest_max_tokens
+
+    for budget in (64, 100, 512, 4096, 25000, 65536):
+        suggested = suggest_max_tokens(budget)
+        assert suggested % 64 == 0 and (suggested < budget or budget == 64) and suggested >= 64
