@@ -149,6 +149,20 @@ def mtrain_step_fn(cfg: ModelConfig, compile_: bool) -> tuple[Callable[[Batch], 
     return lambda b: objective(*b)[0], model
 
 
+def mtrain_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """The Adam `mtrain train` makes (fused on CPU); an mtrain without that choice (an older
+    checkout on PYTHONPATH, for before/after runs) made the default one, as the peers do."""
+    try:
+        from mtrain.trainer import new_optimizer
+    except ImportError:
+        return torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+    settings = argparse.Namespace(adam_beta1=0.9, adam_beta2=0.98, adam_eps=1e-9, weight_decay=0.0)
+    optimizer = new_optimizer(model, settings, torch.device("cpu"))
+    for group in optimizer.param_groups:
+        group["lr"] = 1e-4
+    return optimizer
+
+
 def nn_step_fn(cfg: ModelConfig) -> tuple[Callable[[Batch], Tensor], nn.Module]:
     model = TorchTransformer(cfg).train()
     return lambda b: full_logits_loss(model(b[0], b[1]), b[2]), model
@@ -216,7 +230,8 @@ def time_models(steps: dict[str, tuple[Callable, nn.Module, list[Batch]]], round
     """Seconds of each step, (rounds, batches) per model; the models named in bf16 run under
     bfloat16 autocast. Models take turns batch by batch, so load from other processes on a shared
     machine hits all of them alike."""
-    optimizers = {name: torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+    optimizers = {name: (mtrain_optimizer(model) if name.startswith("mtrain") else
+                         torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9))
                   for name, (_, model, _) in steps.items()}
 
     def step(name: str, batch: Batch) -> None:
@@ -242,6 +257,63 @@ def time_models(steps: dict[str, tuple[Callable, nn.Module, list[Batch]]], round
     return seconds
 
 
+# ---------------------------------------------------------------- where a step's time goes
+
+# Anchors: an op under one of these (by name, anywhere up its call tree) counts as that part.
+# Names are compared lowercased without underscores (forward ops and their backward nodes alike).
+ANCHORS = [("optimizer.step", "Adam step"), ("smoothedcrossentropy", "loss: softmax, exp, sums (N x V)"),
+           ("scaleddotproduct", "attention kernels (SDPA)"), ("layernorm", "layer norm")]
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+# Ops outside an anchor, by name.
+OPS = [(MATMULS, "matmuls (linear layers)"),
+       (("aten::copy_", "aten::_to_copy"), "dtype casts (autocast, mixed-dtype sums)"),
+       (("aten::random_", "aten::bitwise_and", "aten::bitwise_right_shift", "aten::bitwise_not", "aten::bitwise_and_",
+         "aten::bitwise_right_shift_", "aten::bitwise_not_", "aten::bernoulli_", "aten::ge"), "dropout masks"),
+       (("aten::embedding_dense_backward", "aten::embedding", "aten::index_select", "aten::index", "aten::_index_put_impl_"),
+        "embeddings, gathers"),
+       (("aten::clamp_min", "aten::threshold_backward", "aten::relu"), "ReLU")]
+
+
+def profile_step(step: Callable[[Batch], None], batches: list[Batch], rounds: int) -> dict[str, float]:
+    """ms per step by part: each op's self time, attributed to the first anchor up its call
+    tree, else by its name; 'outside ops' is wall time not spent in any op (Python, autograd's
+    bookkeeping, the profiler itself)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for batch in batches[:1]:
+        step(batch)
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(rounds):
+            for batch in batches:
+                step(batch)
+    wall = time.perf_counter() - start
+    parts: dict[str, float] = {}
+    main = None
+    for event in prof.events():
+        if event.cpu_parent is None and main is None:
+            main = event.thread
+        if event.thread != main:  # other threads' records (autograd workers) are inside main's ops
+            continue
+        name, node = "other element-wise ops", event
+        while node is not None:
+            label = next((label for key, label in ANCHORS if key in node.name.lower().replace("_", "")), None)
+            if label is not None:
+                name = label
+                if label.startswith("loss") and event.name in MATMULS:
+                    name = "vocabulary projection matmuls (N x d x V)"
+                break
+            node = node.cpu_parent
+        if node is None:
+            name = next((label for keys, label in OPS if event.name in keys), name)
+        parts[name] = parts.get(name, 0.0) + event.self_cpu_time_total / 1e3
+    steps = rounds * len(batches)
+    result = {name: ms / steps for name, ms in sorted(parts.items(), key=lambda kv: -kv[1])}
+    result["outside ops (Python, autograd)"] = max(0.0, wall * 1e3 / steps - sum(result.values()))
+    result["step (wall, profiled)"] = wall * 1e3 / steps
+    return result
+
+
 def padding_fraction(batches: list[Batch]) -> float:
     cells = sum(b[0].numel() + b[2].numel() for b in batches)
     return 1 - sum(int((b[0] != PAD).sum() + (b[2] != PAD).sum()) for b in batches) / cells
@@ -259,6 +331,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--bf16", action="store_true",
                    help="add mtrain under bfloat16 autocast (train.amp=bf16; fast on CPUs with AMX) and the bf16 matmul peak")
     p.add_argument("--no-hf", action="store_true", help="skip Hugging Face Marian even if installed")
+    p.add_argument("--profile", action="store_true",
+                   help="only mtrain (under bf16 autocast with --bf16): where a step's time goes, by part, with torch.profiler")
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
     if args.quick:
@@ -277,6 +351,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"{cfg.n_encoder_layers}+{cfg.n_decoder_layers} layers, vocab {cfg.vocab_size}; "
         f"{args.max_tokens}-token batches; lengths: {source}; threads {torch.get_num_threads()}")
 
+    if args.profile:
+        return run_profile(cfg, bucketed, args, log)
     peak_before = matmul_peak_gflops()
     steps = {"mtrain": (*mtrain_step_fn(cfg, args.compile), bucketed),
              "nn.Transformer": (*nn_step_fn(cfg), bucketed),
@@ -344,6 +420,31 @@ def main(argv: list[str] | None = None) -> dict:
     log(f"fp32 matmul peak (2048^3): {peak:.1f} GFLOP/s; mtrain / nn.Transformer (same batches): "
         f"{result['speedup_vs_nn_transformer']:.2f}x, / nn.Transformer unbucketed: "
         f"{result['speedup_vs_nn_transformer_unbucketed']:.2f}x")
+    if args.json:
+        print(json.dumps(result))
+    return result
+
+
+def run_profile(cfg: ModelConfig, batches: list[Batch], args: argparse.Namespace, log: Callable) -> dict:
+    loss_fn, model = mtrain_step_fn(cfg, args.compile)
+    optimizer = mtrain_optimizer(model)
+    bf16 = args.bf16 and cpu_has_native_bf16()
+
+    def step(batch: Batch) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+            loss = loss_fn(batch) / int((batch[2] != PAD).sum())
+        loss.backward()
+        optimizer.step()
+
+    parts = profile_step(step, batches, args.rounds)
+    total = parts["step (wall, profiled)"]
+    log(f"\nmtrain {'bfloat16 autocast' if bf16 else 'float32'} training step, ms per step "
+        f"({args.rounds} x {len(batches)} batches, {torch.get_num_threads()} threads)")
+    for name, ms in parts.items():
+        log(f"  {name:<44}{ms:>8.1f}{'' if name.startswith('step') else f'{ms / total:>8.1%}'}")
+    result = {"profile_ms_per_step": {k: round(v, 1) for k, v in parts.items()}, "bf16": bf16,
+              "threads": torch.get_num_threads(), "torch": torch.__version__}
     if args.json:
         print(json.dumps(result))
     return result

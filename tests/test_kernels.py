@@ -1,0 +1,123 @@
+"""The training step's fused pieces give what the plain ones give: the vocabulary projection and
+label-smoothed loss in one (values and gradients of label_smoothed_loss(states @ W.T)), chunked
+any way; and the CPU dropout mask, made without bool tensors, drops exactly the elements the
+15-bit rule drops, scaled as before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtrain import loss as loss_module
+from mtrain.kernels import Dropout
+from mtrain.loss import label_smoothed_loss, projected_label_smoothed_loss
+
+
+def problem(n: int, d: int, vocab: int, dtype=torch.float64, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    states = torch.randn(n, d, generator=gen, dtype=dtype)
+    weight = torch.randn(vocab, d, generator=gen, dtype=dtype) * d ** -0.5
+    target = torch.randint(0, vocab, (n,), generator=gen)
+    return states, weight, target
+
+
+def both(states, weight, target, eps, fused: bool, autocast: bool = False):
+    h, w = states.clone().requires_grad_(), weight.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        if fused:
+            loss, nll = projected_label_smoothed_loss(h, w, target, eps)
+        else:
+            loss, nll = label_smoothed_loss(h @ w.t(), target, eps)
+    (loss * 0.37).backward()  # a gradient scale other than 1, as forward_backward's 1/tokens
+    return loss.detach(), nll.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("chunk_bytes", [4 * 13 * 3, 1 << 21], ids=["3-row-chunks", "one-chunk"])
+def test_fused_projection_and_loss_equal_the_plain_ones(monkeypatch, eps, chunk_bytes):
+    monkeypatch.setattr(loss_module, "CHUNK_BYTES", chunk_bytes)
+    states, weight, target = problem(n=20, d=6, vocab=13)  # 20 rows: 3-row chunks leave a ragged last one
+    fused, plain = both(states, weight, target, eps, True), both(states, weight, target, eps, False)
+    for a, b in zip(fused, plain):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_fused_gradient_matches_finite_differences(monkeypatch):
+    """Central differences of the loss by every state and weight entry (float64; gradcheck itself
+    would run the backward twice, which the in-place backward refuses)."""
+    monkeypatch.setattr(loss_module, "CHUNK_BYTES", 4 * 7 * 2)
+    states, weight, target = problem(n=5, d=4, vocab=7)
+    _, _, grad_h, grad_w = both(states, weight, target, 0.1, True)
+
+    def value(h, w):
+        return projected_label_smoothed_loss(h, w, target, 0.1)[0].item() * 0.37
+
+    for tensor, grad, other in ((states, grad_h, "h"), (weight, grad_w, "w")):
+        numeric = torch.zeros_like(tensor)
+        for i in range(tensor.numel()):
+            step = torch.zeros_like(tensor).view(-1)
+            step[i] = 1e-6
+            step = step.view_as(tensor)
+            args = ((states + step, weight), (states - step, weight)) if other == "h" else \
+                ((states, weight + step), (states, weight - step))
+            numeric.view(-1)[i] = (value(*args[0]) - value(*args[1])) / 2e-6
+        torch.testing.assert_close(grad, numeric, rtol=1e-6, atol=1e-8)
+
+
+def test_fused_under_bf16_autocast_matches_the_plain_autocast_path():
+    """Both run the projection in bf16; the loss agrees to float32 rounding, the gradients to bf16's."""
+    states, weight, target = problem(n=300, d=32, vocab=500, dtype=torch.float32)
+    fused = both(states, weight, target, 0.1, True, autocast=True)
+    plain = both(states, weight, target, 0.1, False, autocast=True)
+    torch.testing.assert_close(fused[0], plain[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(fused[1], plain[1], rtol=1e-5, atol=0)
+    for a, b in zip(fused[2:], plain[2:]):
+        assert a.dtype == b.dtype == torch.float32
+        assert ((a - b).norm() / b.norm()).item() < 1e-2
+
+
+def test_fused_loss_allows_one_backward():
+    states, weight, target = problem(n=4, d=3, vocab=5)
+    loss, _ = projected_label_smoothed_loss(states.requires_grad_(), weight, target, 0.1)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward"):
+        loss.backward()
+
+
+def test_objective_loss_is_the_plain_loss_of_the_model_logits():
+    from mtrain.config import ModelConfig
+    from mtrain.loss import Objective
+    from mtrain.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(d_model=16, d_ff=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1,
+                                    vocab_size=40, dropout=0.0)).double()
+    src = torch.randint(4, 40, (3, 7))
+    tgt_in, tgt_out = torch.randint(4, 40, (3, 5)), torch.randint(4, 40, (3, 5))
+    tgt_out[0, 3:] = 0  # pads: no loss there
+    loss, nll = Objective(model, 0.1)(src, tgt_in, tgt_out)
+    real = tgt_out != 0
+    expected = label_smoothed_loss(model(src, tgt_in)[real], tgt_out[real], 0.1)
+    torch.testing.assert_close((loss, nll), expected, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------- dropout
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dropout_mask_is_the_15_bit_rule_without_bool_tensors(dtype):
+    """The same draw as the bool version of the rule (keep when the 15-bit uniform is at least
+    p * 2^15), the same outputs bit for bit: float32 x times the float32 scale, bfloat16 x scaled
+    in float32 and rounded."""
+    x = (torch.rand(10_001) + 0.5).to(dtype)
+    torch.manual_seed(3)
+    y = Dropout(0.1).train()(x)
+    torch.manual_seed(3)
+    n, threshold = x.numel(), round(0.1 * 32768)
+    bits = torch.empty((n + 3) // 4, dtype=torch.int64).random_()
+    keep = (bits.view(torch.int16)[:n] & 0x7FFF) >= threshold
+    scale = 32768 / (32768 - threshold)
+    if dtype == torch.float32:
+        expected = x * keep.to(dtype).mul_(scale)
+    else:
+        expected = x.mul(scale).mul_(keep)
+    assert y.dtype == dtype and torch.equal(y, expected)
