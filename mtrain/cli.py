@@ -83,7 +83,7 @@ def print_config_and_exit(cfg) -> None:
 @app.command()
 @friendly
 def tokenize(
-    data: Optional[Path] = typer.Option(None, "--data", help="Folder with {split}.{src} / {split}.{tgt} files (or .tsv/.jsonl per split)."),
+    data: Optional[List[str]] = typer.Option(None, "--data", help="Folder with {split}.{src} / {split}.{tgt} files (or .tsv/.jsonl per split); repeat it, as DIR or NAME=DIR, to combine corpora (the first one gives the evaluation splits)."),
     out: Path = typer.Option(Path("data/multi30k-tok"), "--out", help="Output folder for spm.model, ids and stats.json."),
     src: Optional[str] = typer.Option(None, "--src", help="Source language suffix (data.src)."),
     tgt: Optional[str] = typer.Option(None, "--tgt", help="Target language suffix (data.tgt)."),
@@ -91,12 +91,14 @@ def tokenize(
     model_type: Optional[str] = typer.Option(None, "--model-type", help="unigram | bpe (tokenizer.model_type)."),
     splits: str = typer.Option("train,valid,test2016", "--splits", help="Comma-separated splits; the first is cleaned and used to train SentencePiece."),
     joint: Optional[bool] = typer.Option(None, "--joint/--separate", help="One vocabulary for both sides, or one per side (tokenizer.joint)."),
-    hf_dataset: Optional[str] = typer.Option(None, "--hf-dataset", help="Read through Hugging Face `datasets` instead of --data (e.g. bentrevett/multi30k)."),
+    hf_dataset: Optional[str] = typer.Option(None, "--hf-dataset", help="Stream a Hugging Face dataset (a hub name such as bentrevett/multi30k, or a local folder of data files) instead of --data."),
+    tag: Optional[List[str]] = typer.Option(None, "--tag", help="Start this corpus's source lines with the reserved token <NAME> (repeatable; data.tags)."),
+    drop_overlap: Optional[bool] = typer.Option(None, "--drop-overlap", help="Drop training pairs whose source line occurs in an evaluation split (data.drop_overlap)."),
     config: Optional[Path] = ConfigOpt,
     overrides: Optional[List[str]] = SetOpt,
     print_config: bool = PrintConfigOpt,
 ) -> None:
-    """Check and clean a parallel corpus, train SentencePiece, and cache token ids."""
+    """Check and clean parallel corpora, train SentencePiece on a sample, and cache token ids (streamed: memory stays bounded)."""
     cfg = resolve_config(
         config,
         overrides,
@@ -106,6 +108,8 @@ def tokenize(
             "tokenizer.vocab_size": vocab_size,
             "tokenizer.model_type": model_type,
             "tokenizer.joint": joint,
+            "data.tags": ",".join(tag) if tag else None,
+            "data.drop_overlap": drop_overlap,
         },
     )
     if print_config:
@@ -118,7 +122,7 @@ def tokenize(
 @app.command()
 @friendly
 def train(
-    data: Optional[Path] = typer.Option(None, "--data", help="Folder written by `mtrain tokenize`."),
+    data: Optional[Path] = typer.Option(None, "--data", help="Folder written by `mtrain tokenize`; its corpora are mixed by data.weights when set."),
     out: Optional[Path] = typer.Option(None, "--out", help="Run folder (checkpoints, metrics, plot). Re-running the same command resumes from its last.pt."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N (auto: cuda when available)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Build data and model, print a JSON summary (parameters, batches) and exit."),

@@ -12,7 +12,7 @@ import reprlib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 
@@ -49,7 +49,11 @@ class TokenizerConfig:
     model_type: str = "unigram"  # unigram | bpe
     joint: bool = True  # one vocabulary for both sides, so embeddings can be shared
     character_coverage: float = 1.0  # 1.0 keeps every character of small European corpora
-    input_sentence_size: int = 2_000_000  # sentences sampled for training SentencePiece
+    # Sentences SentencePiece trains on: a seeded uniform sample of the cleaned training pairs (both
+    # sides count with a joint vocabulary), 0 = all of them. Its memory and time grow with this, not
+    # with the corpus: ~1.5 GB and ~40 s at 500k sentences of ~140 characters on 2 cores, ~3 GB and
+    # ~3 min at 1M (docs/training.md#large-corpora).
+    input_sentence_size: int = 500_000
     seed: int = 1
 
 
@@ -64,7 +68,16 @@ class DataConfig:
     test_split: str = "test2016"
     max_len: int = 250  # drop training pairs with a side longer than this (whitespace tokens)
     max_ratio: float = 3.0  # drop training pairs whose length ratio exceeds this
-    dedup: bool = True  # drop exact duplicate (src, tgt) training pairs
+    dedup: bool = True  # drop duplicate (src, tgt) training pairs, across corpora, after normalization
+    # Drop training pairs whose source line occurs in an evaluation split (after the same
+    # normalization); the overlap is counted in stats.json either way.
+    drop_overlap: bool = False
+    # Per-corpus share of each training epoch, NAME=WEIGHT for every corpus of the tokenized folder
+    # (a YAML mapping, a list or comma-separated text); empty = every pair once an epoch.
+    weights: tuple[str, ...] = ()
+    # Corpora whose source lines start with a reserved token <NAME> (e.g. back-translated data);
+    # set when tokenizing. The token is a SentencePiece control symbol: no text encodes to it.
+    tags: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -293,7 +306,10 @@ def _coerce_float(value: Any, where: str) -> float:
 
 
 def _coerce_names(value: Any, where: str) -> tuple[str, ...]:
-    """A YAML list, or comma-separated text (--set train.log_to=a,b); empty or null: none."""
+    """A YAML list, or comma-separated text (--set train.log_to=a,b); empty or null: none. A
+    mapping gives NAME=VALUE items (data.weights: {europarl: 1, bt: 0.5})."""
+    if isinstance(value, dict):
+        value = [f"{key}={item}" for key, item in value.items()]
     items = value if isinstance(value, (list, tuple)) else [value] if value else []
     if not all(isinstance(item, SCALARS) for item in items):
         raise MtrainError(f"{where}: expected names, as a list or comma-separated, got {_show(value)}")
@@ -408,6 +424,7 @@ def check_ranges(config: Config) -> None:
         if value < low or (high is not None and value >= high):
             bound = f"at least {low}" if high is None else f"in [{low}, {high})"
             raise MtrainError(f"{dotted}={value!r}: must be {bound}; change it in the config file or with --set {dotted}=...")
+    check_corpus_settings(config.data)
     train = config.train
     unknown = [target for target in train.log_to if target not in LOG_TARGETS]
     if unknown:
@@ -416,6 +433,46 @@ def check_ranges(config: Config) -> None:
     if train.cooldown_steps > train.max_steps:  # the cooldown would start before update 1 and lower every lr
         raise MtrainError(f"train.cooldown_steps={train.cooldown_steps} exceeds train.max_steps={train.max_steps}: "
                           "set it to at most max_steps (e.g. a fifth to a third of the run) with --set train.cooldown_steps=...")
+
+
+def corpus_weights(data: DataConfig) -> dict[str, float]:
+    """data.weights as {name: weight}; each weight a finite number above 0, each name once."""
+    weights: dict[str, float] = {}
+    for item in data.weights:
+        name, sep, text = item.partition("=")
+        name = name.strip()
+        try:
+            weight = float(text) if sep else math.nan
+        except ValueError:
+            weight = math.nan
+        if not name or not math.isfinite(weight):
+            raise MtrainError(f"data.weights: {item!r} is not NAME=WEIGHT; write e.g. --set data.weights=europarl=1,bt=0.5")
+        if weight <= 0:
+            raise MtrainError(f"data.weights: {name}={text.strip()}: a weight must be above 0; leave a corpus "
+                              "out of training by tokenizing without it")
+        if name in weights:
+            raise MtrainError(f"data.weights: {name!r} is given twice; give each corpus one weight")
+        weights[name] = weight
+    return weights
+
+
+def check_corpus_settings(data: DataConfig, names: Sequence[str] | None = None) -> None:
+    """data.weights and data.tags are well-formed and, given the corpus names, name only those
+    (and weights name every one): one line before any work."""
+    weights = corpus_weights(data)
+    if len(set(data.tags)) != len(data.tags):
+        raise MtrainError(f"data.tags: {', '.join(data.tags)} names a corpus twice; name each tagged corpus once")
+    if names is None:
+        return
+    known = ", ".join(names)
+    for key, given in (("data.weights", list(weights)), ("data.tags", list(data.tags))):
+        unknown = [name for name in given if name not in names]
+        if unknown:
+            raise MtrainError(f"{key}: no corpus named {unknown[0]!r} (the corpora are {known}); use those names")
+    missing = [name for name in names if name not in weights]
+    if weights and missing:
+        raise MtrainError(f"data.weights: no weight for corpus {missing[0]!r}; give every corpus ({known}) a weight, "
+                          "e.g. --set data.weights=" + ",".join(f"{name}=1" for name in names))
 
 
 def replace(config: Config, **sections: dict[str, Any]) -> Config:

@@ -4,10 +4,11 @@ encodes and decodes batches of lines, and round-trips through plain bytes so che
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import sentencepiece as spm
 
@@ -21,12 +22,15 @@ MODEL_TYPES = ("unigram", "bpe")
 STATE_VERSION = 1
 
 
-def _train_model(lines: Iterable[str], cfg: TokenizerConfig, side: str) -> bytes:
-    """Train one SentencePiece model in memory and return its serialized proto."""
+def _train_model(lines: Iterable[str], cfg: TokenizerConfig, side: str, control_symbols: Sequence[str] = ()) -> bytes:
+    """Train one SentencePiece model in memory and return its serialized proto. control_symbols:
+    reserved pieces (ids from 4 on) that no text encodes to and decoding drops: corpus tags."""
     if cfg.model_type not in MODEL_TYPES:
         raise MtrainError(f"--model-type {cfg.model_type!r}: unknown; use one of {', '.join(MODEL_TYPES)}")
     spm.set_random_generator_seed(cfg.seed)  # sentence sampling and EM are then repeatable
     buffer = io.BytesIO()
+    # Only when there are some: the model records its options, so none keeps untagged models as they were.
+    extra = {"control_symbols": list(control_symbols)} if control_symbols else {}
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=iter(lines),
@@ -45,6 +49,7 @@ def _train_model(lines: Iterable[str], cfg: TokenizerConfig, side: str) -> bytes
             byte_fallback=True,
             num_threads=os.cpu_count() or 1,
             minloglevel=2,  # SentencePiece logs pages of INFO lines otherwise
+            **extra,
         )
     except RuntimeError as err:
         raise _friendly_training_error(str(err), cfg, side) from None
@@ -111,6 +116,13 @@ class Side:
     def pieces(self, line: str) -> list[str]:
         return self._proc.encode(line, out_type=str)
 
+    def control_id(self, symbol: str) -> int:
+        """The id of a reserved (control) piece such as a corpus tag."""
+        piece = self._proc.piece_to_id(symbol)
+        if piece == UNK_ID or not self._proc.is_control(piece):
+            raise MtrainError(f"SentencePiece model has no reserved piece {symbol!r}; re-run `mtrain tokenize`")
+        return piece
+
 
 class Tokenizer:
     """One SentencePiece model shared by both sides (joint: `src is tgt`) or one per side.
@@ -126,13 +138,16 @@ class Tokenizer:
     # --- building -------------------------------------------------------------------------
     @classmethod
     def train(
-        cls, src_lines: list[str], tgt_lines: list[str], cfg: TokenizerConfig, out_dir: str | Path | None = None
+        cls, src_lines: Iterable[str], tgt_lines: Iterable[str], cfg: TokenizerConfig, out_dir: str | Path | None = None,
+        control_symbols: Sequence[str] = (),
     ) -> "Tokenizer":
-        """Train on in-memory lines; with out_dir, write spm.model (joint) or spm.{src,tgt}.model."""
+        """Train on lines (the source lines, then the target lines, for a joint model); with out_dir,
+        write spm.model (joint) or spm.{src,tgt}.model. control_symbols (corpus tags) are reserved
+        in the source model (the joint one)."""
         if cfg.joint:
-            tok = cls(_train_model(list(src_lines) + list(tgt_lines), cfg, "joint (source + target)"))
+            tok = cls(_train_model(itertools.chain(src_lines, tgt_lines), cfg, "joint (source + target)", control_symbols))
         else:
-            tok = cls(_train_model(src_lines, cfg, "source"), _train_model(tgt_lines, cfg, "target"))
+            tok = cls(_train_model(src_lines, cfg, "source", control_symbols), _train_model(tgt_lines, cfg, "target"))
         if out_dir is not None:
             tok.save(out_dir)
         return tok

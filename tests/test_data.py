@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from mtrain.corpus import (
     clean_pairs,
-    read_corpus,
+    parse_corpora,
     read_hf_dataset,
     read_lines,
     read_split,
@@ -110,14 +110,31 @@ def test_tsv_and_jsonl_errors_name_the_line(tmp_path):
 def test_no_data_anywhere_says_both_ways(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(MtrainError) as err:
-        read_corpus(None, ["train"], "de", "en")
+        parse_corpora(None)
     message = str(err.value)
     assert "data/multi30k" in message and "--hf-dataset bentrevett/multi30k" in message and "\n" not in message
 
 
 def test_data_and_hf_dataset_are_exclusive(tmp_path):
     with pytest.raises(MtrainError, match="pass only one of them"):
-        read_corpus(tmp_path, ["train"], "de", "en", hf_dataset="bentrevett/multi30k")
+        parse_corpora([str(tmp_path)], hf_dataset="bentrevett/multi30k")
+
+
+def test_corpora_are_named_after_their_folder_or_as_given(tmp_path):
+    for name in ("europarl", "bt"):
+        (tmp_path / name).mkdir()
+    corpora = parse_corpora([str(tmp_path / "europarl"), f"back={tmp_path / 'bt'}"])
+    assert [(c.name, c.folder) for c in corpora] == [("europarl", tmp_path / "europarl"), ("back", tmp_path / "bt")]
+    assert parse_corpora(None, hf_dataset="bentrevett/multi30k")[0].name == "multi30k"
+
+
+def test_two_corpora_with_one_name_are_refused(tmp_path):
+    (tmp_path / "a" / "news").mkdir(parents=True)
+    (tmp_path / "b" / "news").mkdir(parents=True)
+    with pytest.raises(MtrainError, match=r"two corpora named 'news' .*--data NAME="):
+        parse_corpora([str(tmp_path / "a" / "news"), str(tmp_path / "b" / "news")])
+    with pytest.raises(MtrainError, match="two corpora named 'x'"):
+        parse_corpora([f"x={tmp_path / 'a'}", f"x={tmp_path / 'b'}"])
 
 
 def test_hf_dataset_failure_is_one_line(monkeypatch):
@@ -140,7 +157,7 @@ def test_hf_dataset_split_names_and_row_shapes(monkeypatch):
         "validation": [{"translation": {"de": "Ja", "en": "Yes"}}],
         "test": [{"de": "Nein", "en": "No"}],
     }
-    monkeypatch.setattr(datasets, "load_dataset", lambda name: fake)
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, streaming=False: fake)
     got = read_hf_dataset("bentrevett/multi30k", ["train", "valid", "test2016"], "de", "en")
     assert got == {"train": (["Ein Hund."], ["A dog."]), "valid": (["Ja"], ["Yes"]), "test2016": (["Nein"], ["No"])}
     with pytest.raises(MtrainError, match="no split 'dev2' .*train, validation, test"):
@@ -159,11 +176,13 @@ HAND_MADE = [
     ("a", "x y z", "length_ratio"),  # 3 / 1 > 2
     ("a b", "x y z u", "kept"),  # 4 / 2 == 2 is not above the limit
     ("a b", "x y", "duplicate"),  # of the first pair
-    ("a b", "x y ", "kept"),  # differs by a trailing space: not an exact duplicate
+    ("a b", "x y ", "duplicate"),  # differs by a trailing space only: the same after normalization
+    ("a\u00a0b", "x \uff59", "duplicate"),  # a no-break space, a full-width y: NFKC makes them the first pair
     ("", "", "empty_side"),  # counted once, not twice
     ("a b c d e f", "x", "too_long"),  # breaks too_long and length_ratio; too_long comes first
     ("a", "x y z", "length_ratio"),  # repeats a dropped pair: still a ratio drop, not a duplicate
     ("a b", "x y z u", "duplicate"),  # of the sixth pair
+    ("a b", "X y", "kept"),  # case is kept apart
 ]
 
 
@@ -171,10 +190,10 @@ def test_cleaning_counts_on_hand_made_corpus():
     src = [s for s, _, _ in HAND_MADE]
     tgt = [t for _, t, _ in HAND_MADE]
     kept_src, kept_tgt, dropped = clean_pairs(src, tgt, max_len=5, max_ratio=2.0)
-    assert dropped == {"empty_side": 3, "too_long": 2, "length_ratio": 2, "duplicate": 2}
+    assert dropped == {"empty_side": 3, "too_long": 2, "length_ratio": 2, "overlap": 0, "duplicate": 4}
     assert list(zip(kept_src, kept_tgt)) == [(s, t) for s, t, why in HAND_MADE if why == "kept"]
     _, _, no_dedup = clean_pairs(src, tgt, max_len=5, max_ratio=2.0, dedup=False)
-    assert no_dedup == {"empty_side": 3, "too_long": 2, "length_ratio": 2, "duplicate": 0}
+    assert no_dedup == {"empty_side": 3, "too_long": 2, "length_ratio": 2, "overlap": 0, "duplicate": 0}
 
 
 def test_a_side_without_spaces_is_too_long_by_its_characters():

@@ -345,9 +345,9 @@ def test_file_size_limit_stops_training_and_the_rerun_ends_identical(copy_data, 
 
 
 def test_file_size_limit_during_tokenize_leaves_no_complete_looking_folder(copy_data, tmp_path):  # noqa: F811
-    """The output folder holds an earlier, complete tokenization; a new one under a size limit that
-    lets the SentencePiece model through fails on the first split's ids: one line naming that
-    file, and no meta.json, so the folder is refused as incomplete instead of read as the old one."""
+    """The output folder holds an earlier, complete tokenization; a new one under a size limit fails
+    on the first file it writes past the limit, the training split's cleaned text: one line naming
+    that file, and no meta.json, so the folder is refused as incomplete instead of read as the old one."""
     import shutil
 
     from mtrain.data import TokenizedData
@@ -364,7 +364,7 @@ def test_file_size_limit_during_tokenize_leaves_no_complete_looking_folder(copy_
         (raw / f"{split}.en").write_text(lines)
     code, err = mtrain_limited(["tokenize", "--data", raw, "--out", out, "--splits", "train,valid",
                                 "--vocab-size", "300"], 300_000)
-    one_error_line(code, err, f"{out / 'train.src.ids.npy'}: write failed (EFBIG: File too large",
+    one_error_line(code, err, f"{out / 'train.src.txt'}: write failed (EFBIG: File too large",
                    "has no meta.json", "re-run `mtrain tokenize`")
     assert not (out / "meta.json").exists()
     with pytest.raises(MtrainError, match="meta.json"):
