@@ -94,6 +94,7 @@ def tokenize(
     hf_dataset: Optional[str] = typer.Option(None, "--hf-dataset", help="Stream a Hugging Face dataset (a hub name such as bentrevett/multi30k, or a local folder of data files) instead of --data."),
     tag: Optional[List[str]] = typer.Option(None, "--tag", help="Start this corpus's source lines with the reserved token <NAME> (repeatable; data.tags)."),
     drop_overlap: Optional[bool] = typer.Option(None, "--drop-overlap", help="Drop training pairs whose source line occurs in an evaluation split (data.drop_overlap)."),
+    spm_from: Optional[Path] = typer.Option(None, "--spm-from", help="Encode with the SentencePiece model(s) of this checkpoint, tokenized data folder or spm.model instead of training one (e.g. a student keeping its teacher's vocabulary)."),
     config: Optional[Path] = ConfigOpt,
     overrides: Optional[List[str]] = SetOpt,
     print_config: bool = PrintConfigOpt,
@@ -116,7 +117,7 @@ def tokenize(
         print_config_and_exit(cfg)
     from mtrain.prepare import tokenize_corpus
 
-    tokenize_corpus(cfg, data_dir=data, out_dir=out, splits=splits.split(","), hf_dataset=hf_dataset)
+    tokenize_corpus(cfg, data_dir=data, out_dir=out, splits=splits.split(","), hf_dataset=hf_dataset, spm_from=spm_from)
 
 
 @app.command()

@@ -396,11 +396,14 @@ def tokenize_corpus(
     out_dir: Path,
     splits: Sequence[str] = ("train", "valid", "test2016"),
     hf_dataset: Optional[str] = None,
+    spm_from: Optional[Path] = None,
 ) -> dict[str, Any]:
     """`mtrain tokenize`: check, clean the first split of every corpus (`data_dir`: a folder, or
     several `DIR` / `NAME=DIR`), train SentencePiece on a sample of it, encode and cache every split
     (the evaluation splits come from the first corpus). meta.json is written last, so a folder
-    without it is an interrupted run. Returns the stats dict."""
+    without it is an interrupted run. `spm_from`: encode with that checkpoint's or tokenized
+    folder's SentencePiece model(s) instead of training one (a distilled student keeps its
+    teacher's vocabulary). Returns the stats dict."""
     started = time.perf_counter()
     splits = [s.strip() for s in splits if s.strip()]
     _check_arguments(cfg, splits)
@@ -413,12 +416,13 @@ def tokenize_corpus(
     readers = {corpus.name: corpus.locate(train_split, src, tgt) for corpus in corpora}
     evals = {split: collect(corpora[0].locate(split, src, tgt)()) for split in eval_splits}
     tags = [tag_symbol(name) for name in cfg.data.tags]
+    given = None if spm_from is None else existing_tokenizer(Path(spm_from), tags)
 
     phases = {"cleaning": time.perf_counter()}  # phase -> start, then seconds
     with Output(Path(out_dir)) as out:
         cleaned = clean_training_split(cfg, corpora, readers, evals, out, train_split)
         phases["SentencePiece"] = time.perf_counter()
-        tok = train_tokenizer(cfg, cleaned, train_split, tags)
+        tok = given or train_tokenizer(cfg, cleaned, train_split, tags)
         phases["encoding"] = time.perf_counter()
         with _writing(out.folder / ("spm.model" if tok.joint else "spm.src.model + spm.tgt.model")):
             for name in ("spm.model",) if tok.joint else ("spm.src.model", "spm.tgt.model"):
@@ -441,12 +445,35 @@ def tokenize_corpus(
 
         stats = _stats(cfg, train_split, cleaned, split_stats)
         _write_json(out.path("stats.json"), stats)
-        _write_json(out.path("meta.json"), _meta(cfg, tok, splits, corpora, cleaned))
+        meta = _meta(cfg, tok, splits, corpora, cleaned)
+        if given is not None:  # not trained here: the settings above did not make it
+            meta["tokenizer"] = {"from": str(spm_from), "vocab_size": tok.tgt.vocab_size}
+        _write_json(out.path("meta.json"), meta)
     ends = [*list(phases.values())[1:], time.perf_counter()]
     took = ", ".join(f"{name} {end - start:.1f}s" for (name, start), end in zip(phases.items(), ends))
     lines = ", ".join(f"{s} {split_stats[s]['lines']}" for s in splits)
     print(f"wrote {out_dir} ({lines} pairs) in {time.perf_counter() - started:.1f}s ({took})", file=sys.stderr)
     return stats
+
+
+def existing_tokenizer(path: Path, tags: Sequence[str]) -> Tokenizer:
+    """The SentencePiece model(s) of a checkpoint file, a tokenized data folder, or one spm.model."""
+    if tags:
+        raise MtrainError(f"--spm-from {path}: corpus tags need their own reserved symbols, which only a newly "
+                          "trained SentencePiece model has; drop --tag or --spm-from")
+    if path.is_dir():
+        return Tokenizer.load(path)
+    if not path.is_file():
+        raise MtrainError(f"--spm-from {path}: not found; pass a checkpoint, a tokenized data folder or an spm.model")
+    if path.suffix == ".pt":
+        from mtrain.checkpoint import load
+
+        return Tokenizer.from_state(load(path)["tokenizer"])
+    try:
+        return Tokenizer(path.read_bytes())
+    except (RuntimeError, OSError) as err:
+        raise MtrainError(f"--spm-from {path}: not a SentencePiece model ({str(err).splitlines()[0][:120]}); "
+                          "pass a checkpoint, a tokenized data folder or an spm.model") from None
 
 
 def _stats(cfg: Config, train_split: str, cleaned: Cleaned, split_stats: dict) -> dict[str, Any]:

@@ -137,3 +137,23 @@ def test_unknown_model_type(corpus, tmp_path):
     result = tokenize("--data", str(corpus), "--out", str(tmp_path / "out"), "--model-type", "wordpiece")
     assert_one_line_error(result, "--model-type 'wordpiece'", "unigram, bpe")
     assert not (tmp_path / "out").exists()
+
+
+def test_spm_from_reuses_a_sentencepiece_model_and_encodes_the_same_ids(tokenized_slice, multi30k_slice, tmp_path):
+    """--spm-from a tokenized folder (or a checkpoint, or an spm.model) encodes with that model: on
+    the same corpus, the same spm.model and the same ids as the folder it came from; with tags it is
+    refused (tags need symbols that only a newly trained model reserves)."""
+    from typer.testing import CliRunner
+
+    from mtrain.cli import app
+
+    out = tmp_path / "tok"
+    args = ["tokenize", "--data", str(multi30k_slice), "--src", "de", "--tgt", "en", "--out", str(out)]
+    result = CliRunner().invoke(app, [*args, "--spm-from", str(tokenized_slice)])
+    assert result.exit_code == 0, result.output
+    assert (out / "spm.model").read_bytes() == (tokenized_slice / "spm.model").read_bytes()
+    for name in ("train.src.ids.npy", "train.tgt.ids.npy", "valid.tgt.ids.npy"):
+        assert (out / name).read_bytes() == (tokenized_slice / name).read_bytes()
+    refused = CliRunner().invoke(app, [*args[:-1], str(tmp_path / "tagged"), "--spm-from", str(tokenized_slice),
+                                       "--tag", multi30k_slice.name])
+    assert refused.exit_code != 0 and "--spm-from" in refused.output and "Traceback" not in refused.output
