@@ -140,6 +140,10 @@ def train(
         raise MtrainError("train: --data is missing; pass the folder written by `mtrain tokenize` (e.g. --data data/multi30k-tok)")
     if out is None and not dry_run:
         raise MtrainError("train: --out is missing; pass a run folder (e.g. --out runs/quickstart)")
+    if cfg.data.weights:  # names that do not fit the data: one line before the run folder is made
+        from mtrain.data import TokenizedData
+
+        TokenizedData(data).check_weights(cfg.data, cfg.data.train_split)
     from mtrain.train import train as run_training
 
     summary = run_training(cfg, data_dir=data, run_dir=out, device=device, dry_run=dry_run)

@@ -1,7 +1,8 @@
 """The token-id cache that `mtrain tokenize` writes, read back: `TokenizedData` opens a folder
-once (meta.json, SentencePiece, stats.json, memory-mapped splits); subword sampling; and the
-training batches: token-budget buckets as a pure function of (seed, epoch), the endless
-`BatchStream` whose (epoch, index) position makes resume exact, and collation into tensors."""
+once (meta.json, SentencePiece, stats.json, memory-mapped splits); subword sampling; mixing
+several corpora by weight; and the training batches: token-budget buckets as a pure function of
+(seed, epoch), the endless `BatchStream` whose (epoch, index) position makes resume exact, and
+collation into tensors."""
 
 from __future__ import annotations
 
@@ -11,17 +12,19 @@ import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
 
+from mtrain.config import DataConfig, check_corpus_settings, corpus_weights
 from mtrain.corpus import read_lines
 from mtrain.errors import MtrainError
 from mtrain.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
 FORMAT_VERSION = 1
 SIDES = ("src", "tgt")
+CHECK_CHUNK = 1 << 22  # ids read per step when checking a split's ids
 
 
 # ----------------------------------------------------------------------------------------------
@@ -157,7 +160,8 @@ class TokenizedData:
             raise MtrainError(f"{self.path / f'{stem}.offsets.npy'}: does not index {stem}.ids.npy "
                               f"({ids.size} ids); the cache is damaged, {fix}")
         vocab = self.meta.get(f"{stem.rsplit('.', 1)[1]}_vocab_size")
-        if ids.size and vocab is not None and not 0 <= int(ids.min()) <= int(ids.max()) < vocab:
+        low, high = _min_max(ids) if ids.size and vocab is not None else (0, 0)
+        if vocab is not None and not (0 <= low and high < vocab):
             raise MtrainError(f"{self.path / f'{stem}.ids.npy'}: ids outside the vocabulary of {vocab} pieces; "
                               f"the cache is damaged or mixed with another run's, {fix}")
         split, side = stem.rsplit(".", 1)
@@ -166,6 +170,37 @@ class TokenizedData:
             raise MtrainError(f"{self.path / 'stats.json'}: says {split} has {entry.get('lines')} lines and "
                               f"{entry.get(f'{side}_tokens', {}).get('total')} {side} tokens, the cache "
                               f"{len(ragged)} and {ids.size}; {fix}")
+
+    @property
+    def corpora(self) -> list[dict[str, Any]]:
+        """The training split's corpora in file order ({"name", "pairs", "tag", ...}); empty for a
+        folder tokenized before corpora were recorded."""
+        return list(self.meta.get("corpora") or [])
+
+    def mixer(self, data: DataConfig, seed: int, split: Split) -> Optional["CorpusMixer"]:
+        """The epoch mixer of data.weights for the training split, or None (no weights: every pair
+        once an epoch). Weights that do not fit this folder's corpora are one line, before any work."""
+        weights = self.check_weights(data, split.name)
+        if not weights:
+            return None
+        names, sizes = [c["name"] for c in self.corpora], [int(c["pairs"]) for c in self.corpora]
+        fix = f"re-run `mtrain tokenize --out {self.path}`"
+        if sum(sizes) != len(split):
+            raise MtrainError(f"{self.path / 'meta.json'}: its corpora hold {sum(sizes)} pairs but {split.name} has "
+                              f"{len(split)}; {fix}")
+        return CorpusMixer(sizes, [weights[name] for name in names], seed, names)
+
+    def check_weights(self, data: DataConfig, split: str) -> dict[str, float]:
+        """data.weights ({name: weight}), checked against the corpora this folder records for
+        `split`: one line for a name it does not know, a corpus without a weight, a weight <= 0."""
+        weights = corpus_weights(data)
+        if weights and (not self.corpora or split != self.meta.get("train_split")):
+            raise MtrainError(f"{self.path}: data.weights mixes the corpora of the training split, and this folder "
+                              f"records none for {split!r}; re-run `mtrain tokenize --out {self.path}` with one "
+                              "--data NAME=DIR per corpus")
+        if weights:
+            check_corpus_settings(data, [corpus["name"] for corpus in self.corpora])
+        return weights
 
     def _stats_or_none(self) -> dict[str, Any] | None:
         return self.stats if (self.path / "stats.json").is_file() else None
@@ -177,6 +212,79 @@ class TokenizedData:
         except (ValueError, OSError, EOFError) as err:
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise MtrainError(f"{path}: damaged ({first[:160]}); re-run `mtrain tokenize --out {self.path}`") from None
+
+
+def _min_max(ids: np.ndarray) -> tuple[int, int]:
+    """The smallest and largest id of a memory-mapped array, read through a file handle in chunks:
+    touching the map itself would leave every page of it counted in the process's resident memory."""
+    if not isinstance(ids, np.memmap) or ids.filename is None:
+        return int(ids.min()), int(ids.max())
+    low, high = np.iinfo(ids.dtype).max, np.iinfo(ids.dtype).min
+    with open(ids.filename, "rb") as handle:
+        handle.seek(ids.offset)
+        for start in range(0, ids.size, CHECK_CHUNK):
+            chunk = np.fromfile(handle, dtype=ids.dtype, count=min(CHECK_CHUNK, ids.size - start))
+            low, high = min(low, int(chunk.min())), max(high, int(chunk.max()))
+    return low, high
+
+
+# ----------------------------------------------------------------------------------------------
+# Mixing corpora
+# ----------------------------------------------------------------------------------------------
+def quotas(sizes: Sequence[int], weights: Sequence[float]) -> list[int]:
+    """Pairs drawn from each corpus per epoch: the epoch keeps the corpus's total size, and corpus
+    i's share is weights[i] / sum(weights), rounded by largest remainder (ties to the earlier
+    corpus), so the quotas sum to the total and each is within 1 of its exact share."""
+    total, weight_sum = int(sum(sizes)), float(sum(weights))
+    exact = [total * w / weight_sum for w in weights]
+    floors = [int(x) for x in exact]
+    by_remainder = sorted(range(len(exact)), key=lambda i: (-(exact[i] - floors[i]), i))
+    for i in by_remainder[: total - sum(floors)]:
+        floors[i] += 1
+    return floors
+
+
+class CorpusMixer:
+    """Epoch e of a training split made of several corpora laid end to end: corpus i contributes
+    quotas[i] pairs: each of its pairs quota // size times, plus quota % size more taken in turn
+    from an endless sequence of random permutations of the corpus (permutation k drawn from
+    (seed, i, k)), epoch e taking the e-th slice. So no pair comes twice more than another in an
+    epoch, and a down-weighted corpus shows every pair within its first size / (quota % size)
+    epochs, rounded up. A pure function of (seed, epoch): a resumed run redraws the epoch it
+    stopped in exactly."""
+
+    def __init__(self, sizes: Sequence[int], weights: Sequence[float], seed: int, names: Sequence[str] = ()) -> None:
+        names = list(names) or [str(i) for i in range(len(sizes))]
+        for name, size in zip(names, sizes):
+            if size == 0:
+                raise MtrainError(f"corpus {name!r} kept no training pairs, so data.weights cannot mix it in; "
+                                  "tokenize without it")
+        self.sizes, self.seed = [int(n) for n in sizes], seed
+        self.starts = np.cumsum([0, *self.sizes])[:-1]
+        self.quotas = quotas(self.sizes, weights)
+
+    def __call__(self, epoch: int) -> np.ndarray:
+        """The indices (into the whole split, sorted, repeats allowed) that make up epoch `epoch`."""
+        parts = []
+        for i, (start, size, quota) in enumerate(zip(self.starts, self.sizes, self.quotas)):
+            repeats, extra = divmod(quota, size)
+            parts.append(np.repeat(np.arange(size, dtype=np.int64), repeats) + start)
+            parts.append(self._turn(i, size, (epoch - 1) * extra, extra) + start)
+        return np.sort(np.concatenate(parts), kind="stable")
+
+    def _turn(self, corpus: int, size: int, first: int, count: int) -> np.ndarray:
+        """Items first .. first + count - 1 (count < size) of the corpus's endless sequence of
+        permutations. A slice that runs past the end of permutation k goes on with the pairs of
+        permutation k + 1 that the slice does not hold yet, so no pair comes twice in an epoch."""
+        k, at = divmod(first, size)
+        head = self._permutation(corpus, size, k)[at:at + count]
+        if head.size == count:
+            return head
+        rest = self._permutation(corpus, size, k + 1)
+        return np.concatenate([head, rest[~np.isin(rest, head)][:count - head.size]])
+
+    def _permutation(self, corpus: int, size: int, k: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, corpus, k]).permutation(size)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -245,23 +353,35 @@ def make_batches(
     else:
         order = np.argsort(cost, kind="stable")
 
-    batches: list[np.ndarray] = []
-    start = 0
-    for i, index in enumerate(order):
-        # Sorted ascending, so the newest sentence is the longest: the batch costs (size) * cost[index].
-        if (i + 1 - start) * cost[index] > max_tokens and i > start:
-            batches.append(order[start:i])
-            start = i
-        if cost[index] > max_tokens and not allow_oversize:
-            raise MtrainError(
-                f"sentence {int(index)} has {int(cost[index])} tokens with EOS, more than max_tokens={max_tokens}; "
-                f"raise train.max_tokens to at least {int(cost[index])} or lower data.max_len and re-tokenize"
-            )
-    if start < cost.size:
-        batches.append(order[start:])
+    sorted_cost = cost[order]
+    if not allow_oversize and sorted_cost.size and sorted_cost[-1] > max_tokens:
+        first = int(np.searchsorted(sorted_cost, max_tokens, side="right"))
+        index, too_many = int(order[first]), int(sorted_cost[first])
+        raise MtrainError(
+            f"sentence {index} has {too_many} tokens with EOS, more than max_tokens={max_tokens}; "
+            f"raise train.max_tokens to at least {too_many} or lower data.max_len and re-tokenize"
+        )
+    batches = [order[start:end] for start, end in _cuts(sorted_cost, max_tokens)]
     if shuffle:
         batches = [batches[i] for i in rng.permutation(len(batches))]
     return batches
+
+
+def _cuts(sorted_cost: np.ndarray, max_tokens: int) -> Iterator[tuple[int, int]]:
+    """Greedy batches over ascending costs: a batch from `start` ends before the first i where
+    (i + 1 - start) * cost[i] > max_tokens (the newest sentence is the longest, so that is the
+    batch's padded size). Since cost[i] >= cost[start], that i is at most start + max(1,
+    max_tokens // cost[start]): each batch searches that window only, so a corpus of millions
+    takes one small numpy step per batch instead of a Python step per sentence. A sentence over
+    the budget gets a batch of its own."""
+    n, start = sorted_cost.size, 0
+    while start < n:
+        stop = min(n, start + max(1, max_tokens // int(sorted_cost[start])) + 1)
+        candidates = np.arange(start + 1, stop)
+        over = np.flatnonzero((candidates + 1 - start) * sorted_cost[start + 1 : stop] > max_tokens)
+        end = int(candidates[over[0]]) if over.size else stop
+        yield start, end
+        start = end
 
 
 def _gather(ragged: Ragged, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -342,19 +462,26 @@ class Batch(NamedTuple):
 class BatchStream:
     """The endless sequence of training batches: epoch e's bucketed batch list (shuffled from
     (seed, e)), then epoch e+1's. (epoch, index) is the whole position, so resume is exact.
-    With a sampler (subword sampling), epoch e's batches index the split sampler(e) returns."""
+    With a sampler (subword sampling), epoch e's batches index the split sampler(e) returns;
+    with a mixer (corpora mixed by weight), they hold the pairs mixer(e) chose."""
 
     def __init__(self, split: Split, max_tokens: int, seed: int, epoch: int = 1, index: int = 0,
-                 sampler: Callable[[int], Split] | None = None) -> None:
-        self.split, self.max_tokens, self.seed, self.sampler = split, max_tokens, seed, sampler
+                 sampler: Callable[[int], Split] | None = None,
+                 mixer: Callable[[int], np.ndarray] | None = None) -> None:
+        self.split, self.max_tokens, self.seed, self.sampler, self.mixer = split, max_tokens, seed, sampler, mixer
         self.epoch, self.index = epoch, index
         self._cached: tuple[int, Split, list[np.ndarray]] | None = None
 
     def _load(self, epoch: int) -> tuple[Split, list[np.ndarray]]:
         if self._cached is None or self._cached[0] != epoch:
             split = self.split if self.sampler is None else self.sampler(epoch)
-            batches = make_batches(split.src.lengths, split.tgt.lengths, self.max_tokens,
-                                   seed=self.seed, epoch=epoch, shuffle=True)
+            src_lengths, tgt_lengths = split.src.lengths, split.tgt.lengths
+            chosen = None if self.mixer is None else self.mixer(epoch)
+            if chosen is not None:
+                src_lengths, tgt_lengths = src_lengths[chosen], tgt_lengths[chosen]
+            batches = make_batches(src_lengths, tgt_lengths, self.max_tokens, seed=self.seed, epoch=epoch, shuffle=True)
+            if chosen is not None:
+                batches = [chosen[batch] for batch in batches]
             if not batches:
                 raise MtrainError("training split is empty; check the tokenized data folder (mtrain tokenize)")
             self._cached = (epoch, split, batches)

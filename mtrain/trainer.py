@@ -128,7 +128,8 @@ class Trainer:
         if self.tcfg.sampling_alpha > 0:
             sampler = SubwordSampler(self.train_split, self.tokenizer, self.tcfg.sampling_alpha,
                                           self.tcfg.seed, self.tcfg.max_tokens)
-        self.stream = BatchStream(self.train_split, self.tcfg.max_tokens, self.tcfg.seed, sampler=sampler)
+        self.stream = BatchStream(self.train_split, self.tcfg.max_tokens, self.tcfg.seed, sampler=sampler,
+                                  mixer=data.mixer(self.cfg.data, self.tcfg.seed, self.train_split))
         self._build_model()
         # Each update's batches are collated (pinned, on a GPU) while the previous update computes.
         self.prefetch = Prefetcher(self.stream, self.dist.world_size * self.tcfg.update_freq, self._prepare)
