@@ -48,7 +48,7 @@ Chunks = Iterator[Pairs]  # aligned (src lines, tgt lines) chunks of one split
 # ----------------------------------------------------------------------------------------------
 # Reading lines
 # ----------------------------------------------------------------------------------------------
-def iter_line_blocks(path: str | Path, block_bytes: int = BLOCK_BYTES, raw: bool = False) -> Iterator[list[str]]:
+def iter_line_blocks(path: str | Path, block_bytes: Optional[int] = None, raw: bool = False) -> Iterator[list[str]]:
     """The lines of a UTF-8 text file (or .gz), a block of whole lines at a time: without a BOM,
     line ends or a CR before them (raw: only split, for mtrain's own files). Invalid UTF-8 is a
     one-line error naming the file and line.
@@ -57,7 +57,7 @@ def iter_line_blocks(path: str | Path, block_bytes: int = BLOCK_BYTES, raw: bool
     which occur inside real sentences and would break the line alignment of the two sides.
     Blocks are cut after a "\\n" byte, which never occurs inside a UTF-8 sequence.
     """
-    path = Path(path)
+    path, block_bytes = Path(path), block_bytes or BLOCK_BYTES  # looked up now, so tests can lower it
     try:
         handle = gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
     except FileNotFoundError:
@@ -115,7 +115,7 @@ def _lines(n: int) -> str:
     return f"{n} line" if n == 1 else f"{n} lines"
 
 
-def iter_text_pair(src_path: Path, tgt_path: Path, block_bytes: int = BLOCK_BYTES, raw: bool = False) -> Chunks:
+def iter_text_pair(src_path: Path, tgt_path: Path, block_bytes: Optional[int] = None, raw: bool = False) -> Chunks:
     """Aligned chunks of two line-aligned files read side by side. A side that ends first is an
     error naming its first missing line and both line counts (the longer side is counted then)."""
     readers = {path: iter_line_blocks(path, block_bytes, raw) for path in (src_path, tgt_path)}
@@ -141,7 +141,7 @@ def iter_text_pair(src_path: Path, tgt_path: Path, block_bytes: int = BLOCK_BYTE
         )
 
 
-def iter_tsv(path: Path, src: str, tgt: str, block_bytes: int = BLOCK_BYTES) -> Chunks:
+def iter_tsv(path: Path, src: str, tgt: str, block_bytes: Optional[int] = None) -> Chunks:
     """Two TAB-separated columns, src then tgt; a header row `src<TAB>tgt` (the language codes) is skipped."""
     number = 0
     for block in iter_line_blocks(path, block_bytes):
@@ -170,7 +170,7 @@ def _pair_from_row(row: Any, src: str, tgt: str) -> Optional[tuple[str, str]]:
     return None
 
 
-def iter_jsonl(path: Path, src: str, tgt: str, block_bytes: int = BLOCK_BYTES) -> Chunks:
+def iter_jsonl(path: Path, src: str, tgt: str, block_bytes: Optional[int] = None) -> Chunks:
     number = 0
     for block in iter_line_blocks(path, block_bytes):
         src_lines, tgt_lines = [], []
