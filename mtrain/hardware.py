@@ -3,6 +3,7 @@ records that benchmarks and the recipe report keep next to their numbers."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 
@@ -72,12 +73,12 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
-def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
+def resolve_amp(amp: str, device: torch.device, key: str = "train.amp") -> torch.dtype | None:
     """train.amp -> autocast dtype (None = float32). auto = bfloat16 where the hardware multiplies it
     natively: CPUs with AMX or AVX512-BF16 (1.5-2x the float32 tokens/s, docs/benchmarks.md) and
     GPUs that support it; float16 on older GPUs (with a GradScaler); float32 on other CPUs, where
     bf16 would be emulated (~30x slower). An explicit bf16 on such a CPU also falls back to float32
-    (see amp_note)."""
+    (see amp_note). `key` names the setting in errors (decode.amp takes the same values)."""
     if amp == "off":
         return None
     if amp == "auto":
@@ -90,9 +91,18 @@ def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
         return torch.bfloat16
     if amp == "fp16":
         if device.type != "cuda":
-            raise MtrainError("train.amp=fp16 needs a CUDA device; use train.amp=bf16 or off on CPU")
+            raise MtrainError(f"{key}=fp16 needs a CUDA device; use {key}=bf16 or off on CPU")
         return torch.float16
-    raise MtrainError(f"train.amp={amp!r}: unknown value; use auto, bf16, fp16 or off")
+    raise MtrainError(f"{key}={amp!r}: unknown value; use auto, bf16, fp16 or off")
+
+
+def decode_autocast(amp: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """The autocast decoding runs under for decode.amp (off: none, so decoding inside training's
+    validation keeps the training's own)."""
+    dtype = resolve_amp(amp, device, key="decode.amp")
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
 
 
 PRECISION_NAMES = {None: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

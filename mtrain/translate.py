@@ -22,7 +22,7 @@ from mtrain.checkpoint import load_models
 from mtrain.config import DecodeConfig
 from mtrain.data import make_batches
 from mtrain.errors import MtrainError
-from mtrain.hardware import resolve_device
+from mtrain.hardware import decode_autocast, resolve_device
 from mtrain.search import Decoder, Sampling, beam_search, greedy_search, sample, stream_key
 from mtrain.tokenizer import EOS_ID, PAD_ID, Side, Tokenizer
 
@@ -173,7 +173,8 @@ def translate_nbest(model: Decoder, tokenizer: Tokenizer, lines: list[str], deco
         src_len = torch.tensor([len(ids[i]) for i in rows], dtype=torch.float64)
         max_len = (slope * src_len + decode.max_len_b).floor().long()
         row_prefixes = None if forced is None else [forced[i] for i in rows]
-        hyps = _search(model, src, max_len, decode, row_prefixes, [first_line + i for i in rows])
+        with decode_autocast(decode.amp, device):  # decode.amp; off keeps the caller's (validation's)
+            hyps = _search(model, src, max_len, decode, row_prefixes, [first_line + i for i in rows])
         texts = tokenizer.tgt.decode([h for nbest in hyps for h, _ in nbest])
         for k, i in enumerate(rows):
             chunk = texts[k * decode.nbest : (k + 1) * decode.nbest]

@@ -63,3 +63,48 @@ def test_dry_run_reports_the_resolved_precision(tokenized_slice, monkeypatch, na
     assert json.loads(result.stdout[result.stdout.index("{"):])["precision"] == expected
     lines = [line for line in result.stderr.splitlines() if line.startswith("precision: ")]
     assert len(lines) == 1 and lines[0].startswith(f"precision: {expected} (train.amp={amp}")
+
+
+# ---------------------------------------------------------------- decoding: decode.amp
+
+def test_decode_amp_sets_the_precision_search_runs_in(monkeypatch):
+    """bf16 (native CPU): the search runs under bf16 autocast; off: under whatever the caller set,
+    so validation inside a bf16 run still decodes in bf16; an unknown value: one line naming
+    decode.amp."""
+    from mtrain import translate
+    from mtrain.config import DecodeConfig, ModelConfig
+    from mtrain.errors import MtrainError
+    from mtrain.model import Transformer
+
+    seen = []
+
+    def search(model, src, max_len, decode, prefixes, lines):
+        seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+        return [[([5], 0.0)] * decode.nbest for _ in range(src.size(0))]
+
+    class Side:
+        vocab_size = 20
+
+        def encode(self, lines, out_type=int):
+            return [[5, 6] for _ in lines]
+
+        def decode(self, ids):
+            return ["x" for _ in ids]
+
+    class Tok:
+        src = tgt = Side()
+
+    monkeypatch.setattr(translate, "_search", search)
+    monkeypatch.setattr(translate, "encode_capped", lambda side, lines, max_len: ([[5, 6] for _ in lines], 0))
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: True)
+    model = Transformer(ModelConfig(d_model=8, d_ff=16, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, vocab_size=20))
+    translate.translate_nbest(model, Tok(), ["a"], DecodeConfig(beam=1, amp="bf16"), "cpu")
+    translate.translate_nbest(model, Tok(), ["a"], DecodeConfig(beam=1), "cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # what validation does in a bf16 run
+        translate.translate_nbest(model, Tok(), ["a"], DecodeConfig(beam=1), "cpu")
+    assert seen == [torch.bfloat16, None, torch.bfloat16]
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: False)
+    translate.translate_nbest(model, Tok(), ["a"], DecodeConfig(beam=1, amp="bf16"), "cpu")
+    assert seen[-1] is None  # emulated bf16 would be slower, not faster
+    with pytest.raises(MtrainError, match=r"^decode.amp='fast': unknown value; use auto, bf16, fp16 or off$"):
+        translate.translate_nbest(model, Tok(), ["a"], DecodeConfig(beam=1, amp="fast"), "cpu")
