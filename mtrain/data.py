@@ -47,10 +47,11 @@ def to_ragged_arrays(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
 class Ragged:
     """Variable-length id sequences stored as one flat array + offsets (memory-mapped by default)."""
 
-    def __init__(self, ids: np.ndarray, offsets: np.ndarray) -> None:
+    def __init__(self, ids: np.ndarray, offsets: np.ndarray, lengths: Optional[np.ndarray] = None) -> None:
         self.ids = ids
         self.offsets = np.asarray(offsets, dtype=np.int64)
-        self.lengths: np.ndarray = np.diff(self.offsets)
+        # int32: the 4 bytes a sentence and side that training holds in memory for the whole run
+        self.lengths: np.ndarray = np.diff(self.offsets).astype(np.int32) if lengths is None else lengths
 
     def __len__(self) -> int:
         return int(self.lengths.size)
@@ -142,13 +143,28 @@ class TokenizedData:
             for path in (ids_path, off_path):
                 if not path.is_file():
                     raise MtrainError(f"{path}: not found; re-run mtrain tokenize --out {self.path}")
-            sides.append(Ragged(self._load_array(ids_path, "r" if mmap else None), self._load_array(off_path)))
+            offsets = self._load_array(off_path, "r" if mmap else None)
+            sides.append(Ragged(self._load_array(ids_path, "r" if mmap else None), offsets,
+                                self._lengths(off_path, offsets)))
         if len(sides[0]) != len(sides[1]):
             raise MtrainError(f"{self.path}: {name} has {len(sides[0])} src but {len(sides[1])} tgt lines; "
                               "re-run mtrain tokenize")
         for side, ragged in zip(SIDES, sides):
             self._check_ragged(f"{name}.{side}", ragged)
         return Split(name, sides[0], sides[1], self.path)
+
+    def _lengths(self, path: Path, offsets: np.ndarray) -> np.ndarray:
+        """Sentence lengths (int32) from an offsets array, read through a file handle when it is
+        memory-mapped (so its pages do not stay counted in the process's memory)."""
+        pieces, last = [], None
+        for chunk in _chunks(offsets):
+            pieces.append(np.diff(chunk.astype(np.int64), prepend=[] if last is None else [last]))
+            last = int(chunk[-1])
+        lengths = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+        if lengths.size and not (0 <= int(lengths.min()) and int(lengths.max()) < 2**31):
+            raise MtrainError(f"{path}: does not index {path.name.replace('offsets', 'ids')} (a negative or huge "
+                              f"length); the cache is damaged, re-run `mtrain tokenize --out {self.path}`")
+        return lengths.astype(np.int32)
 
     def _check_ragged(self, stem: str, ragged: Ragged) -> None:
         """Offsets that index the ids array, ids within the vocabulary, and counts that agree with
@@ -214,17 +230,25 @@ class TokenizedData:
             raise MtrainError(f"{path}: damaged ({first[:160]}); re-run `mtrain tokenize --out {self.path}`") from None
 
 
+def _chunks(array: np.ndarray) -> Iterator[np.ndarray]:
+    """A 1-D array in pieces; a memory-mapped one read through a file handle: touching the map
+    itself would leave every page of it counted in the process's resident memory."""
+    if not isinstance(array, np.memmap) or array.filename is None:
+        yield from (array[start:start + CHECK_CHUNK] for start in range(0, array.size, CHECK_CHUNK))
+        return
+    with open(array.filename, "rb") as handle:
+        handle.seek(array.offset)
+        for start in range(0, array.size, CHECK_CHUNK):
+            yield np.fromfile(handle, dtype=array.dtype, count=min(CHECK_CHUNK, array.size - start))
+
+
 def _min_max(ids: np.ndarray) -> tuple[int, int]:
-    """The smallest and largest id of a memory-mapped array, read through a file handle in chunks:
-    touching the map itself would leave every page of it counted in the process's resident memory."""
-    if not isinstance(ids, np.memmap) or ids.filename is None:
-        return int(ids.min()), int(ids.max())
+    """The smallest and largest id of an array (see _chunks)."""
+    if ids.dtype.kind not in "iu":  # a damaged file: its values are checked as numbers
+        return int(np.floor(ids.min())), int(np.ceil(ids.max()))
     low, high = np.iinfo(ids.dtype).max, np.iinfo(ids.dtype).min
-    with open(ids.filename, "rb") as handle:
-        handle.seek(ids.offset)
-        for start in range(0, ids.size, CHECK_CHUNK):
-            chunk = np.fromfile(handle, dtype=ids.dtype, count=min(CHECK_CHUNK, ids.size - start))
-            low, high = min(low, int(chunk.min())), max(high, int(chunk.max()))
+    for chunk in _chunks(ids):
+        low, high = min(low, int(chunk.min())), max(high, int(chunk.max()))
     return low, high
 
 
