@@ -1,0 +1,141 @@
+"""The distillation recipe (scripts/recipe-multi30k-distill.sh): its student config, its checks
+before any work, the corpus step, and (slow) the whole path on tiny models, resumed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, write_slice
+from mtrain.config import load_config
+
+SCRIPT = ROOT / "scripts" / "recipe-multi30k-distill.sh"
+CORPUS_TOOL = ROOT / "scripts" / "distill_corpus.py"
+VENV_PATH = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+
+
+def run_script(env: dict, *args: str) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PATH": VENV_PATH, "VIRTUAL_ENV": str(Path(sys.executable).parent.parent), **env}
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=full, cwd=ROOT)
+
+
+def test_student_config_is_a_smaller_decoder_over_the_teachers_width():
+    student = load_config(ROOT / "configs" / "multi30k-de-en-student.yaml")
+    teacher = load_config(ROOT / "configs" / "multi30k-de-en.yaml")
+    assert (student.data.src, student.data.tgt) == (teacher.data.src, teacher.data.tgt)
+    assert student.model.d_model == teacher.model.d_model  # the teacher's vocabulary and embedding size
+    assert student.model.n_decoder_layers < teacher.model.n_decoder_layers  # the part run per output token
+    t = student.train
+    assert t.max_steps % t.save_every == 0 and t.average_last * t.save_every <= t.cooldown_steps < t.max_steps
+    for line in (ROOT / "configs" / "multi30k-de-en-student.yaml").read_text().splitlines():
+        if line.startswith("  ") and ":" in line:
+            assert "#" in line, f"no comment on {line.strip()!r}"
+
+
+def test_a_missing_teacher_fails_before_any_work(tmp_path):
+    proc = run_script({"TEACHER": str(tmp_path / "nope.pt"), "DISTILL": str(tmp_path / "d")}, "de-en")
+    assert proc.returncode == 2 and "TEACHER=" in proc.stderr and "no such checkpoint" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("env, words", [({"VOCAB": "shared"}, "VOCAB=teacher"),
+                                        ({"FILTER_MIN_LOGPROB": "low"}, "give a number")])
+def test_bad_settings_fail_before_any_work(tmp_path, env, words):
+    teacher = tmp_path / "t.pt"
+    teacher.write_bytes(b"")
+    proc = run_script({"TEACHER": str(teacher), "DISTILL": str(tmp_path / "d"), **env}, "de-en")
+    assert proc.returncode == 2 and words in proc.stderr and not (tmp_path / "d").exists()
+
+
+def test_dry_run_names_every_stage(tmp_path):
+    teachers = [tmp_path / "a.pt", tmp_path / "b.pt"]
+    for t in teachers:
+        t.write_bytes(b"")
+    proc = run_script({"TEACHER": " ".join(map(str, teachers)), "DRY_RUN": "1", "DISTILL": str(tmp_path / "d")}, "de-en")
+    assert proc.returncode == 0, proc.stderr
+    assert "2 model(s)" in proc.stdout and "translate" in proc.stdout and "export int8" in proc.stdout
+
+
+def corpus_tool(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(CORPUS_TOOL), *map(str, args)], capture_output=True, text=True)
+
+
+def test_a_teacher_output_of_the_wrong_length_is_one_line(tmp_path):
+    (tmp_path / "src").write_text("a\nb\nc\n")
+    (tmp_path / "hyp").write_text("x\ny\n")
+    proc = corpus_tool("check-lines", tmp_path / "src", tmp_path / "hyp")
+    assert proc.returncode == 2 and "2 lines for 3 sources" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_build_drops_empty_translations_and_low_teacher_scores(tmp_path):
+    (tmp_path / "src").write_text("s1\ns2\ns3\ns4\n")
+    (tmp_path / "hyp").write_text("t1\n\nt3\nt4\n")
+    scores = [-0.5, -0.1, -3.0, -1.0]
+    (tmp_path / "scores").write_text("".join(json.dumps({"mean_logprob": v}) + "\n" for v in scores))
+    proc = corpus_tool("build", "--src", tmp_path / "src", "--hyp", tmp_path / "hyp", "--out-src", tmp_path / "os",
+                       "--out-tgt", tmp_path / "ot", "--scores", tmp_path / "scores", "--min-logprob", -1.0)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "os").read_text() == "s1\ns4\n" and (tmp_path / "ot").read_text() == "t1\nt4\n"
+
+
+def test_same_vocab_refuses_a_student_corpus_with_another_vocabulary(tokenized_slice, tmp_path):
+    from test_export import random_checkpoint
+
+    from mtrain.prepare import tokenize_corpus
+
+    teacher = random_checkpoint(tmp_path, tokenized_slice)
+    assert corpus_tool("same-vocab", teacher, tokenized_slice).returncode == 0
+    other = tmp_path / "other"
+    raw = ROOT / "data" / "multi30k"
+    if not (raw / "train.de").is_file():
+        pytest.skip("no data/multi30k")
+    slice_dir = write_slice(raw, tmp_path / "raw", {"train": 300, "valid": 10})
+    tokenize_corpus(load_config(None, ["tokenizer.vocab_size=500"]), data_dir=slice_dir, out_dir=other,
+                    splits=["train", "valid"])
+    proc = corpus_tool("same-vocab", teacher, other)
+    assert proc.returncode == 2 and "not" in proc.stderr and "VOCAB=new" in proc.stderr
+
+
+TINY = ["model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.n_encoder_layers=1",
+        "model.n_decoder_layers=1", "train.max_tokens=512", "train.warmup_steps=20", "train.max_steps=40",
+        "train.save_every=20", "train.eval_every=20", "train.eval_max_sentences=5", "train.log_every=10",
+        "train.num_threads=1"]
+
+
+@pytest.mark.slow
+def test_the_whole_path_on_tiny_models_and_a_rerun_redoes_nothing(multi30k_dir, tmp_path):
+    """Teacher -> distilled corpus (filtered) -> student with the teacher's vocabulary -> averaged ->
+    int8 export -> the report, on a 300-pair slice; the second run skips every finished stage."""
+    from mtrain.prepare import tokenize_corpus
+    from mtrain.train import train
+
+    corpus = write_slice(multi30k_dir, tmp_path / "corpus", {"train": 300, "valid": 20, "test2016": 30})
+    tok = tmp_path / "teacher-tok"
+    tokenize_corpus(load_config(None, ["tokenizer.vocab_size=500"]), data_dir=corpus, out_dir=tok)
+    train(load_config(None, TINY), tok, tmp_path / "teacher", device="cpu")
+    student_config = tmp_path / "student.yaml"
+    student_config.write_text("model:\n  d_model: 32\n  d_ff: 64\n  n_heads: 2\n  n_encoder_layers: 2\n"
+                              "  n_decoder_layers: 1\ntrain:\n  max_steps: 40\n  max_tokens: 512\n  warmup_steps: 20\n"
+                              "  save_every: 20\n  eval_every: 20\n  eval_max_sentences: 5\n  log_every: 10\n"
+                              "  average_last: 2\n  num_threads: 1\n")
+    env = {"TEACHER": str(tmp_path / "teacher" / "last.pt"), "DISTILL": str(tmp_path / "distill"),
+           "CORPUS": str(corpus), "STUDENT_CONFIG": str(student_config), "FILTER_MIN_LOGPROB": "-100"}
+    first = run_script(env, "de-en")
+    assert first.returncode == 0, first.stderr[-3000:]
+    distill = tmp_path / "distill"
+    result = json.loads((distill / "results.json").read_text())
+    assert set(result["rows"]) == {"teacher_beam5", "student_greedy", "student_beam5", "student_ct2_int8_greedy"}
+    assert all(row["sent_s"] > 0 and row["size_mb"] > 0 for row in result["rows"].values())
+    assert (distill / "tok" / "spm.model").read_bytes() == (tok / "spm.model").read_bytes()  # the teacher's vocabulary
+    assert len((distill / "corpus" / "train.en").read_text().splitlines()) <= 300
+    stamps = {p: p.stat().st_mtime_ns for p in [distill / "corpus" / "train.en.teacher", distill / "tok" / "meta.json",
+                                                 distill / "student" / "averaged.pt",
+                                                 distill / "student-ct2-int8" / "export.json"]}
+    second = run_script(env, "de-en")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
