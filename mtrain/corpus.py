@@ -450,7 +450,6 @@ class Cleaner:
     def __init__(self, max_len: int, max_ratio: float, dedup: bool = True,
                  evals: Optional[Mapping[str, Pairs]] = None, drop_overlap: bool = False) -> None:
         self.max_len, self.max_ratio, self.dedup, self.drop_overlap = max_len, max_ratio, dedup, drop_overlap
-        self.max_chars = MAX_CHARS_PER_TOKEN * max_len
         self.seen = HashSet()
         self.evals = {split: _eval_hashes(*pairs) for split, pairs in (evals or {}).items()}
         self.eval_src = np.unique(np.concatenate([h[0] for h in self.evals.values()] or [np.zeros(0, np.uint64)]))
@@ -460,8 +459,16 @@ class Cleaner:
 
     def clean(self, src_lines: list[str], tgt_lines: list[str]) -> tuple[list[str], list[str], dict[str, int]]:
         """(kept src, kept tgt, {rule: number dropped}) of one chunk."""
-        dropped = dict.fromkeys(DROP_RULES, 0)
-        rows, pair_hashes, src_hashes = self._length_rules(src_lines, tgt_lines, dropped)
+        return self.finish(src_lines, tgt_lines, self.measure(src_lines, tgt_lines))
+
+    def measure(self, src_lines: list[str], tgt_lines: list[str]) -> "Measured":
+        """The stateless, costly part of cleaning a chunk (it may run in another process)."""
+        return length_rules(src_lines, tgt_lines, self.max_len, self.max_ratio)
+
+    def finish(self, src_lines: list[str], tgt_lines: list[str],
+               measured: "Measured") -> tuple[list[str], list[str], dict[str, int]]:
+        """The chunk's overlap and duplicates, against every chunk before it (in order)."""
+        rows, pair_hashes, src_hashes, dropped = measured
         keep = np.ones(rows.size, dtype=bool)
         if self.evals:
             hit = np.isin(src_hashes, self.eval_src)
@@ -478,34 +485,39 @@ class Cleaner:
         kept = rows[keep].tolist()
         return [src_lines[i] for i in kept], [tgt_lines[i] for i in kept], dropped
 
-    def _length_rules(self, src_lines: list[str], tgt_lines: list[str],
-                      dropped: dict[str, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Rows passing empty_side, too_long and length_ratio, with their pair and source hashes."""
-        rows, pair_hashes, src_hashes = [], [], []
-        max_len, max_chars, max_ratio = self.max_len, self.max_chars, self.max_ratio
-        for i, (s, t) in enumerate(zip(src_lines, tgt_lines)):  # tokenize's hot loop: ~4 us a pair
-            s_tokens, t_tokens = s.split(), t.split()
-            n_src, n_tgt = len(s_tokens), len(t_tokens)
-            if n_src == 0 or n_tgt == 0:
-                dropped["empty_side"] += 1
-            elif n_src > max_len or n_tgt > max_len or max(len(s), len(t)) > max_chars:
-                dropped["too_long"] += 1
-            elif max(n_src, n_tgt) > max_ratio * min(n_src, n_tgt):
-                dropped["length_ratio"] += 1
-            else:
-                src_hash, pair_hash = line_hashes(normalize(s, s_tokens), normalize(t, t_tokens))
-                rows.append(i)
-                src_hashes.append(src_hash)
-                pair_hashes.append(pair_hash)
-        return (np.array(rows, dtype=np.int64), np.array(pair_hashes, dtype=np.uint64),
-                np.array(src_hashes, dtype=np.uint64))
-
     def overlap(self) -> dict[str, dict[str, int]]:
         """Per evaluation split: its source lines, and its pairs, that occur in the training data."""
         found_src = np.fromiter(self.found_src, dtype=np.uint64, count=len(self.found_src))
         found_pairs = np.fromiter(self.found_pairs, dtype=np.uint64, count=len(self.found_pairs))
         return {split: {"src": int(np.isin(src, found_src).sum()), "pairs": int(np.isin(pairs, found_pairs).sum())}
                 for split, (src, pairs) in self.evals.items()}
+
+
+Measured = tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, int]]  # rows, pair hashes, source hashes, drops
+
+
+def length_rules(src_lines: list[str], tgt_lines: list[str], max_len: int, max_ratio: float) -> Measured:
+    """Rows of a chunk passing empty_side, too_long and length_ratio, with their pair and source
+    hashes, and what each rule dropped."""
+    dropped = dict.fromkeys(DROP_RULES, 0)
+    rows, pair_hashes, src_hashes = [], [], []
+    max_chars = MAX_CHARS_PER_TOKEN * max_len
+    for i, (s, t) in enumerate(zip(src_lines, tgt_lines)):  # tokenize's hot loop: ~4 us a pair
+        s_tokens, t_tokens = s.split(), t.split()
+        n_src, n_tgt = len(s_tokens), len(t_tokens)
+        if n_src == 0 or n_tgt == 0:
+            dropped["empty_side"] += 1
+        elif n_src > max_len or n_tgt > max_len or max(len(s), len(t)) > max_chars:
+            dropped["too_long"] += 1
+        elif max(n_src, n_tgt) > max_ratio * min(n_src, n_tgt):
+            dropped["length_ratio"] += 1
+        else:
+            src_hash, pair_hash = line_hashes(normalize(s, s_tokens), normalize(t, t_tokens))
+            rows.append(i)
+            src_hashes.append(src_hash)
+            pair_hashes.append(pair_hash)
+    return (np.array(rows, dtype=np.int64), np.array(pair_hashes, dtype=np.uint64),
+            np.array(src_hashes, dtype=np.uint64), dropped)
 
 
 def _eval_hashes(src_lines: list[str], tgt_lines: list[str]) -> tuple[np.ndarray, np.ndarray]:

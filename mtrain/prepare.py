@@ -19,12 +19,17 @@ folder too, if this run made it), so a failure never leaves a folder that looks 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import json
 import math
+import multiprocessing
+import os
+import signal
 import sys
 import time
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Iterable, Iterator, Optional, Sequence
@@ -36,12 +41,15 @@ from mtrain.atomic import atomic_write, describe_write_error
 from mtrain.config import Config, check_corpus_settings
 from mtrain.corpus import (
     DROP_RULES,
+    Chunks,
     Cleaner,
     Corpus,
+    Measured,
     Pairs,
     cleaning_report,
     collect,
     iter_text_pair,
+    length_rules,
     overlap_report,
     parse_corpora,
 )
@@ -279,8 +287,8 @@ def clean_training_split(cfg: Config, corpora: list[Corpus], readers: dict[str, 
         for corpus in corpora:
             record = {"name": corpus.name, "source": corpus.source, "input_pairs": 0, "kept_pairs": 0,
                       "dropped": dict.fromkeys(DROP_RULES, 0)}
-            for src_lines, tgt_lines in readers[corpus.name]():
-                kept_src, kept_tgt, dropped = cleaner.clean(src_lines, tgt_lines)
+            for src_lines, tgt_lines, measured in measure_chunks(cleaner, readers[corpus.name]()):
+                kept_src, kept_tgt, dropped = cleaner.finish(src_lines, tgt_lines, measured)
                 for handle, lines in zip(files, (kept_src, kept_tgt)):
                     handle.write(lines, f"{corpus.source} [{split}] pairs {record['input_pairs'] + 1}-"
                                         f"{record['input_pairs'] + len(src_lines)}")
@@ -307,6 +315,44 @@ def clean_training_split(cfg: Config, corpora: list[Corpus], readers: dict[str, 
         raise MtrainError(f"the {split} split is empty after cleaning ({cleaned.input_pairs} pairs read, none kept); "
                           "check the training files and data.max_len / data.max_ratio")
     return cleaned
+
+
+INLINE_CHUNKS = 4  # a corpus of up to this many chunks (~100k pairs) is cleaned without worker processes
+
+
+def measure_chunks(cleaner: Cleaner, chunks: Chunks) -> Iterator[tuple[list[str], list[str], Measured]]:
+    """Each chunk with its length rules and hashes (Cleaner.measure, the costly part of cleaning),
+    in order. Past INLINE_CHUNKS chunks, one worker process per core measures while this process
+    reads, deduplicates and writes: on 2 cores the cleaning pass takes about half the time."""
+    for src_lines, tgt_lines in itertools.islice(chunks, INLINE_CHUNKS):
+        yield src_lines, tgt_lines, cleaner.measure(src_lines, tgt_lines)
+    workers = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    if workers < 2:
+        for src_lines, tgt_lines in chunks:
+            yield src_lines, tgt_lines, cleaner.measure(src_lines, tgt_lines)
+        return
+    # spawn: a fork would copy this process's threads' locks (tqdm's monitor) in whatever state they are.
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_ignore_sigint)
+    pending: collections.deque[tuple[list[str], list[str], Future]] = collections.deque()
+    finished = False
+    try:
+        for src_lines, tgt_lines in chunks:
+            pending.append((src_lines, tgt_lines, pool.submit(length_rules, src_lines, tgt_lines, cleaner.max_len,
+                                                              cleaner.max_ratio)))
+            if len(pending) > 2 * workers:  # bounded: at most 2 chunks a worker in flight
+                src_done, tgt_done, future = pending.popleft()
+                yield src_done, tgt_done, future.result()
+        while pending:
+            src_done, tgt_done, future = pending.popleft()
+            yield src_done, tgt_done, future.result()
+        finished = True
+    finally:
+        pool.shutdown(wait=finished, cancel_futures=True)
+
+
+def _ignore_sigint() -> None:
+    """Workers leave Ctrl-C to the main process, which stops them (and prints the one line)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def train_tokenizer(cfg: Config, cleaned: Cleaned, split: str, tags: Sequence[str]) -> Tokenizer:
