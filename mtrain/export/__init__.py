@@ -89,7 +89,7 @@ def metadata(fmt: str, quantization: str | None, ckpt: dict, checkpoint: Path, m
         "special_tokens": {"pad": "<pad>", "unk": "<unk>", "bos": "<s>", "eos": "</s>"},
         "source_eos": True, "decoder_start_token": "<s>",
         "max_len": model.cfg.max_len, "max_positions": positions,
-        "joint_vocabulary": model.src_embed is model.tgt_embed or ckpt["tokenizer"].get("joint", True),
+        "joint_vocabulary": bool(ckpt["tokenizer"].get("joint", True)),
         "decode": ckpt["config"].get("decode", {}),
         "stats": {k: v for k, v in (ckpt.get("stats") or {}).items() if k == "tgt_src_ratio"},
         "checkpoint": {"path": str(checkpoint), "step": ckpt.get("step"), "averaged_from": ckpt.get("averaged_from")},
@@ -117,9 +117,7 @@ def write_folder(fmt: str, folder: Path, model, tokenizer, ckpt: dict, checkpoin
         beam = int(ckpt["config"].get("decode", {}).get("beam", 5))
         extra = target.write(model, tokenizer, folder, ckpt, positions, beam)
     tokenizer.save(folder)  # spm.model, or spm.src.model + spm.tgt.model
-    meta = metadata(fmt, quantization, ckpt, checkpoint, model, positions, extra)
-    meta["joint_vocabulary"] = tokenizer.joint
-    return meta
+    return metadata(fmt, quantization, ckpt, checkpoint, model, positions, extra)
 
 
 def load_exported(fmt: str, folder: Path, max_len: int):
