@@ -32,7 +32,7 @@ import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Iterable, Iterator, Optional, Sequence
+from typing import IO, Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -283,11 +283,12 @@ def clean_training_split(cfg: Config, corpora: list[Corpus], readers: dict[str, 
     sample = Reservoir(sample_pairs(cfg), cfg.tokenizer.seed)
     records = []
     files = [TextOut(out.path(f"{split}.{side}.txt")) for side in SIDES]
-    with tqdm(desc=f"cleaning {split}", unit=" pairs", file=sys.stderr, leave=False) as bar:
+    with chunk_measurer(cleaner) as measure, tqdm(desc=f"cleaning {split}", unit=" pairs", file=sys.stderr,
+                                                  leave=False) as bar:
         for corpus in corpora:
             record = {"name": corpus.name, "source": corpus.source, "input_pairs": 0, "kept_pairs": 0,
                       "dropped": dict.fromkeys(DROP_RULES, 0)}
-            for src_lines, tgt_lines, measured in measure_chunks(cleaner, readers[corpus.name]()):
+            for src_lines, tgt_lines, measured in measure(readers[corpus.name]()):
                 kept_src, kept_tgt, dropped = cleaner.finish(src_lines, tgt_lines, measured)
                 for handle, lines in zip(files, (kept_src, kept_tgt)):
                     handle.write(lines, f"{corpus.source} [{split}] pairs {record['input_pairs'] + 1}-"
@@ -317,37 +318,43 @@ def clean_training_split(cfg: Config, corpora: list[Corpus], readers: dict[str, 
     return cleaned
 
 
-INLINE_CHUNKS = 4  # a corpus of up to this many chunks (~100k pairs) is cleaned without worker processes
+@contextlib.contextmanager
+def chunk_measurer(cleaner: Cleaner) -> Iterator[Callable[[Chunks], Iterator[tuple[list[str], list[str], Measured]]]]:
+    """A function that gives each chunk with its length rules and hashes (Cleaner.measure, the
+    costly part of cleaning), in order. With 2 or more cores, one worker process per core measures
+    while this process reads, deduplicates and writes, so the pass uses every core.
 
-
-def measure_chunks(cleaner: Cleaner, chunks: Chunks) -> Iterator[tuple[list[str], list[str], Measured]]:
-    """Each chunk with its length rules and hashes (Cleaner.measure, the costly part of cleaning),
-    in order. Past INLINE_CHUNKS chunks, one worker process per core measures while this process
-    reads, deduplicates and writes: on 2 cores the cleaning pass takes about half the time."""
-    for src_lines, tgt_lines in itertools.islice(chunks, INLINE_CHUNKS):
-        yield src_lines, tgt_lines, cleaner.measure(src_lines, tgt_lines)
+    The workers are forked here, before the caller's progress bar starts its monitor thread: a
+    fork copies only the forking thread, and a lock another thread held would stay held. Fork
+    also spares the workers re-importing the program (spawn, where fork is missing, needs it)."""
     workers = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     if workers < 2:
-        for src_lines, tgt_lines in chunks:
-            yield src_lines, tgt_lines, cleaner.measure(src_lines, tgt_lines)
+        yield lambda chunks: ((src, tgt, cleaner.measure(src, tgt)) for src, tgt in chunks)
         return
-    # spawn: a fork would copy this process's threads' locks (tqdm's monitor) in whatever state they are.
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_ignore_sigint)
-    pending: collections.deque[tuple[list[str], list[str], Future]] = collections.deque()
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method), initializer=_ignore_sigint)
+    pool.submit(int).result()  # starts every worker now
     finished = False
     try:
-        for src_lines, tgt_lines in chunks:
-            pending.append((src_lines, tgt_lines, pool.submit(length_rules, src_lines, tgt_lines, cleaner.max_len,
-                                                              cleaner.max_ratio)))
-            if len(pending) > 2 * workers:  # bounded: at most 2 chunks a worker in flight
-                src_done, tgt_done, future = pending.popleft()
-                yield src_done, tgt_done, future.result()
-        while pending:
-            src_done, tgt_done, future = pending.popleft()
-            yield src_done, tgt_done, future.result()
+        yield lambda chunks: _measured(pool, 2 * workers, cleaner, chunks)
         finished = True
     finally:
         pool.shutdown(wait=finished, cancel_futures=True)
+
+
+def _measured(pool: ProcessPoolExecutor, depth: int, cleaner: Cleaner,
+              chunks: Chunks) -> Iterator[tuple[list[str], list[str], Measured]]:
+    """Chunks measured by the pool, in order, at most `depth` in flight (memory stays bounded)."""
+    pending: collections.deque[tuple[list[str], list[str], Future]] = collections.deque()
+    for src_lines, tgt_lines in chunks:
+        pending.append((src_lines, tgt_lines, pool.submit(length_rules, src_lines, tgt_lines, cleaner.max_len,
+                                                          cleaner.max_ratio)))
+        if len(pending) > depth:
+            src_done, tgt_done, future = pending.popleft()
+            yield src_done, tgt_done, future.result()
+    while pending:
+        src_done, tgt_done, future = pending.popleft()
+        yield src_done, tgt_done, future.result()
 
 
 def _ignore_sigint() -> None:

@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from mtrain import corpus as corpus_mod
-from mtrain import prepare
 from mtrain.cli import app
 from mtrain.config import load_config
 from mtrain.corpus import HashSet, Cleaner, iter_line_blocks, iter_text_pair, normalize, read_lines, read_split
@@ -212,8 +211,7 @@ def assert_same_files(reference: Path, streamed: Path) -> None:
 
 def test_multi30k_output_is_byte_identical_to_the_whole_corpus_pipeline(multi30k_slice, tmp_path, monkeypatch):
     """Same ids, offsets, text and spm.model, though the streamed run reads 16 kB blocks (about 20
-    chunks, so deduplication merges hash runs across them, and worker processes clean all but the
-    first 4)."""
+    chunks, so deduplication merges hash runs across them, measured by worker processes)."""
     cfg = load_config(None, ["tokenizer.vocab_size=1000"])
     splits = ["train", "valid", "test2016"]
     whole_corpus_tokenize(cfg, multi30k_slice, tmp_path / "whole", splits)
@@ -390,10 +388,8 @@ def test_hf_dataset_streams_a_local_folder_like_the_same_files(tmp_path, monkeyp
 
 @pytest.fixture()
 def long_corpus(tmp_path, monkeypatch):
-    """5000 training pairs read in 4 kB blocks: a line 4001 is dozens of blocks into the pass
-    (cleaned in this process: worker processes would only add their start-up time here)."""
+    """5000 training pairs read in 4 kB blocks: a line 4001 is dozens of blocks into the pass."""
     monkeypatch.setattr(corpus_mod, "BLOCK_BYTES", 4096)
-    monkeypatch.setattr(prepare, "INLINE_CHUNKS", 10**9)
     return words_corpus(tmp_path / "raw", random.Random(7), {"train": 5000, "valid": 10, "test2016": 10})
 
 
@@ -420,8 +416,7 @@ def test_a_missing_target_line_deep_in_the_file_leaves_an_earlier_folder_incompl
 
 
 def test_ctrl_c_during_the_pass_leaves_no_folder(long_corpus, tmp_path, monkeypatch):
-    """Ctrl-C while worker processes clean chunks (past the first few, which this process cleans)."""
-    monkeypatch.setattr(prepare, "INLINE_CHUNKS", 4)
+    """Ctrl-C while worker processes measure chunks."""
     calls = {"n": 0}
     original = Cleaner.finish
 
