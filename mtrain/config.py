@@ -50,9 +50,8 @@ class TokenizerConfig:
     joint: bool = True  # one vocabulary for both sides, so embeddings can be shared
     character_coverage: float = 1.0  # 1.0 keeps every character of small European corpora
     # Sentences SentencePiece trains on: a seeded uniform sample of the cleaned training pairs (both
-    # sides count with a joint vocabulary), 0 = all of them. Its memory and time grow with this, not
-    # with the corpus: ~1.5 GB and ~40 s at 500k sentences of ~140 characters on 2 cores, ~3 GB and
-    # ~3 min at 1M (docs/training.md#large-corpora).
+    # sides count with a joint vocabulary), 0 = all of them. tokenize's peak memory grows with this,
+    # not with the corpus: ~1.6 GB at 500k sentences of ~140 characters, ~3 GB at 1M (docs/benchmarks.md).
     input_sentence_size: int = 500_000
     seed: int = 1
 
