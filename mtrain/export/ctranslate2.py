@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
+from mtrain.export.runtime import pieces
 from mtrain.model import Transformer, sinusoids
 from mtrain.tokenizer import Tokenizer
 
@@ -66,14 +67,6 @@ def _decoder_layer(spec, layer) -> None:
     _norm(spec.ffn.layer_norm, layer.norm3)
 
 
-def pieces(side) -> list[str]:
-    """The vocabulary in id order: CTranslate2 maps token strings to ids through it."""
-    import sentencepiece as spm
-
-    processor = spm.SentencePieceProcessor(model_proto=side.model)
-    return [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
-
-
 def build_spec(model: Transformer, tokenizer: Tokenizer, max_positions: int):
     """A ctranslate2 TransformerSpec holding the model's weights (float32; quantized on save)."""
     from ctranslate2.specs import common_spec, transformer_spec
@@ -94,8 +87,8 @@ def build_spec(model: Transformer, tokenizer: Tokenizer, max_positions: int):
     spec.decoder.projection.weight = numpy(model.proj.weight)  # tied: the target embedding
     for layer_spec, layer in zip(spec.decoder.layer, model.decoder):
         _decoder_layer(layer_spec, layer)
-    spec.register_source_vocabulary(pieces(tokenizer.src))
-    spec.register_target_vocabulary(pieces(tokenizer.tgt))
+    spec.register_source_vocabulary(pieces(tokenizer.src.model))
+    spec.register_target_vocabulary(pieces(tokenizer.tgt.model))
     config = spec.config
     config.add_source_eos = True
     config.add_source_bos = False

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mtrain.export.runtime import Shape
+from mtrain.export.runtime import Shape, pieces
 from mtrain.model import Transformer
 from mtrain.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, UNK_ID
 
@@ -151,10 +151,7 @@ def generation_config(beam: int, max_positions: int):
 
 
 def _vocab(model_bytes: bytes) -> dict[str, int]:
-    import sentencepiece as spm
-
-    processor = spm.SentencePieceProcessor(model_proto=model_bytes)
-    return {processor.id_to_piece(i): i for i in range(processor.get_piece_size())}
+    return {piece: i for i, piece in enumerate(pieces(model_bytes))}
 
 
 def write_tokenizer(tokenizer: Tokenizer, folder: Path, src: str | None, tgt: str | None, max_len: int) -> None:

@@ -69,8 +69,8 @@ class CTranslate2Model:
         device_index = device.index or 0
         self.translator = ctranslate2.Translator(str(folder), device=device.type, device_index=device_index,
                                                  intra_threads=torch.get_num_threads() if device.type == "cpu" else 0)
-        self.src_pieces = _pieces(self.tokenizer.src.model)
-        self.tgt_pieces = _pieces(self.tokenizer.tgt.model)
+        self.src_pieces = pieces(self.tokenizer.src.model)
+        self.tgt_pieces = pieces(self.tokenizer.tgt.model)
         self.tgt_ids = {piece: i for i, piece in enumerate(self.tgt_pieces)}
         self.suppress = [[token] for token in self.meta.get("suppress_tokens", [])]
 
@@ -114,7 +114,8 @@ class CTranslate2Model:
         return [list(r.log_probs) for r in self.translator.score_batch(src, tgt, max_input_length=0)]
 
 
-def _pieces(model: bytes) -> list[str]:
+def pieces(model: bytes) -> list[str]:
+    """A SentencePiece model's pieces in id order: how exported vocabularies map strings to ids."""
     import sentencepiece as spm
 
     processor = spm.SentencePieceProcessor(model_proto=model)
