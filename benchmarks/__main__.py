@@ -47,8 +47,10 @@ HEADLINES: dict[str, dict[str, str]] = {
         "mtrain_beam5_sent_s": "mtrain beam 5, sent/s",
         "hf_beam5_sent_s": "HF Marian beam 5, sent/s",
         "ct2_beam5_sent_s": "CTranslate2 beam 5, sent/s",
-        "mtrain_beam5_vs_hf": "mtrain / HF (beam 5)",
-        "mtrain_beam5_vs_ct2": "mtrain / CTranslate2 (beam 5)",
+        "mtrain_beam5_vs_hf_beam5": "mtrain / HF (beam 5)",
+        "mtrain_beam5_vs_ct2_beam5": "mtrain / CTranslate2 (beam 5)",
+        "mtrain_beam5_vs_ct2_int8_beam5": "mtrain / CTranslate2 int8 (beam 5)",
+        "mtrain_greedy_vs_hf_greedy": "mtrain / HF (greedy)",
     },
     "e2e": {
         "tokenize_wall_s": "mtrain tokenize Multi30k, s",

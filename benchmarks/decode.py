@@ -1,6 +1,7 @@
-"""Decoding speed, side by side: mtrain greedy and beam 5, Hugging Face `MarianMTModel.generate`
-(beam 5) and CTranslate2 (beam 5, when installed) on the same Multi30k test2016 sentences; and
-mtrain's beam 5 with an ensemble of two such models (`--checkpoint A --checkpoint B`).
+"""Decoding speed, side by side: mtrain greedy and beam 5 (float32, and under bfloat16 autocast where
+the CPU multiplies bfloat16 natively), Hugging Face `MarianMTModel.generate` (greedy and beam 5) and
+CTranslate2 (float32 and int8, greedy and beam 5, when installed) on the same Multi30k test2016
+sentences; and mtrain's beam 5 with an ensemble of two such models (`--checkpoint A --checkpoint B`).
 
 The models are randomly initialised at one shape (post-norm, d_model 256, 3+3 layers, d_ff 1024,
 4 heads, vocab 8000), so every system is made to decode exactly the same number of steps: each
@@ -15,8 +16,9 @@ With --checkpoint, a real trained model instead: test2016 translated by mtrain (
 penalty), all through mtrain's text handling; sentences/s and cased sacreBLEU of each, same run.
 
 Prints a table (stderr with --json) and, with --json, one JSON object on stdout with
-mtrain_greedy_sent_s, mtrain_beam5_sent_s, hf_beam5_sent_s, ct2_beam5_sent_s (when installed),
-mtrain_ensemble2_beam5_sent_s, the matching *_tok_s (target tokens/s: decoding steps x sentences) and the ratios.
+<system>_sent_s for each system above (mtrain_greedy, mtrain_beam5, mtrain_bf16_greedy, mtrain_bf16_beam5,
+hf_greedy, hf_beam5, ct2_beam5, ct2_int8_greedy, ct2_int8_beam5, mtrain_ensemble2_beam5), the matching
+*_tok_s (target tokens/s: decoding steps x sentences) and the ratios.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mtrain.config import ModelConfig, TokenizerConfig  # noqa: E402
+from mtrain.hardware import cpu_has_native_bf16  # noqa: E402
 from mtrain.ensemble import Ensemble  # noqa: E402
 from mtrain.model import Transformer  # noqa: E402
 from mtrain.search import beam_search, greedy_search  # noqa: E402
@@ -48,6 +51,10 @@ CORPUS = [ROOT / "data" / "multi30k", ROOT.parent / "shared" / "corpora" / "mult
 CACHE = ROOT / "data" / "bench-decode"  # the benchmark's SentencePiece model (data/ is not committed)
 BEAM = 5
 MAX_TOKENS = 4096
+# (mtrain system, peer system) pairs whose speed ratio is reported as <mtrain>_vs_<peer>.
+RATIOS = [("mtrain_beam5", "hf_beam5"), ("mtrain_beam5", "ct2_beam5"), ("mtrain_greedy", "hf_greedy"),
+          ("mtrain_beam5", "ct2_int8_beam5"), ("mtrain_bf16_beam5", "ct2_int8_beam5"),
+          ("mtrain_bf16_greedy", "hf_greedy"), ("mtrain_greedy", "ct2_int8_greedy")]
 
 
 def log(message: str) -> None:
@@ -106,8 +113,12 @@ class FixedLength(torch.nn.Module):
         return logits
 
 
-def run_mtrain(models: list[FixedLength], src: torch.Tensor, steps: int, beam: int) -> None:
-    """Greedy (beam 1) or beam search; several models decode as one Ensemble, each suppressing EOS itself."""
+def run_mtrain(models: list[FixedLength], src: torch.Tensor, steps: int, beam: int, bf16: bool = False) -> None:
+    """Greedy (beam 1) or beam search; several models decode as one Ensemble, each suppressing EOS
+    itself. bf16: under bfloat16 autocast, as `--set decode.amp=bf16` decodes."""
+    if bf16:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return run_mtrain(models, src, steps, beam)
     for model in models:
         model.steps = steps
     decoder = models[0] if len(models) == 1 else Ensemble(models)
@@ -272,20 +283,30 @@ def main() -> None:
         "mtrain_beam5": lambda src, steps: run_mtrain([model], src, steps, BEAM),
         "mtrain_ensemble2_beam5": lambda src, steps: run_mtrain(members, src, steps, BEAM),
     }
+    if cpu_has_native_bf16():  # emulated bfloat16 is many times slower than float32: no row then
+        systems["mtrain_bf16_greedy"] = lambda src, steps: run_mtrain([model], src, steps, 1, bf16=True)
+        systems["mtrain_bf16_beam5"] = lambda src, steps: run_mtrain([model], src, steps, BEAM, bf16=True)
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_hf and importlib.util.find_spec("transformers"):
             from transformers import MarianMTModel
 
             torch.manual_seed(0)
             hf = MarianMTModel(marian_config(SHAPE.vocab_size)).eval()
+            systems["hf_greedy"] = lambda src, steps: run_hf(hf, src, steps, 1, SHAPE.vocab_size)
             systems["hf_beam5"] = lambda src, steps: run_hf(hf, src, steps, BEAM, SHAPE.vocab_size)
             if importlib.util.find_spec("ctranslate2"):
                 import ctranslate2
 
                 ct2_dir = save_marian_for_ct2(hf, tokenizer, Path(tmp))
-                translator = ctranslate2.Translator(str(ct2_dir), device="cpu", intra_threads=threads, inter_threads=1)
                 pieces = _pieces(Path(tmp), tokenizer)
-                systems["ct2_beam5"] = lambda src, steps: run_ct2(translator, src, steps, pieces, BEAM)
+                for name, compute_type in (("ct2", "default"), ("ct2_int8", "int8")):
+                    translator = ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type=compute_type,
+                                                        intra_threads=threads, inter_threads=1)
+                    for beam, label in ((1, "greedy"), (BEAM, "beam5")):
+                        if name == "ct2" and beam == 1:
+                            continue
+                        systems[f"{name}_{label}"] = (
+                            lambda src, steps, t=translator, b=beam: run_ct2(t, src, steps, pieces, b))
         timed(systems, warmup)
         seconds = timed(systems, batches)
     tokens = sum(steps * src.size(0) for src, steps in batches)
@@ -293,11 +314,11 @@ def main() -> None:
         results[f"{name}_sent_s"] = round(n / secs, 2)
         results[f"{name}_tok_s"] = round(tokens / secs, 1)
         emit(f"{name:<20} {n / secs:9.1f} sent/s {tokens / secs:10.0f} tok/s  ({secs:.1f} s)")
-    for peer in ("hf", "ct2"):
-        if f"{peer}_beam5_sent_s" in results:
-            ratio = results["mtrain_beam5_sent_s"] / results[f"{peer}_beam5_sent_s"]
-            results[f"mtrain_beam5_vs_{peer}"] = round(ratio, 3)
-            emit(f"mtrain beam 5 / {peer} beam 5: {ratio:.2f}x")
+    for mine, peer in RATIOS:
+        if f"{mine}_sent_s" in results and f"{peer}_sent_s" in results:
+            ratio = results[f"{mine}_sent_s"] / results[f"{peer}_sent_s"]
+            results[f"{mine}_vs_{peer}"] = round(ratio, 3)
+            emit(f"{mine} / {peer}: {ratio:.2f}x")
     ratio = results["mtrain_ensemble2_beam5_sent_s"] / results["mtrain_beam5_sent_s"]
     results["mtrain_ensemble2_vs_single_beam5"] = round(ratio, 3)
     emit(f"mtrain beam 5, ensemble of 2 / one model: {ratio:.2f}x (2 models: 0.5x would be the compute ratio)")
