@@ -40,6 +40,12 @@ ROOT = Path(__file__).resolve().parents[1]
 PAD, BOS, EOS = 0, 2, 3
 LABEL_SMOOTHING = 0.1
 Batch = tuple[Tensor, Tensor, Tensor]  # src, tgt_in, tgt_out, padded with PAD
+SHAPES = {  # --shape: the Multi30k recipe's model, and the paper's base model with a 32k vocabulary
+    "small": ModelConfig(d_model=256, d_ff=1024, n_heads=4, n_encoder_layers=3, n_decoder_layers=3,
+                         vocab_size=8000, dropout=0.1),
+    "base": ModelConfig(d_model=512, d_ff=2048, n_heads=8, n_encoder_layers=6, n_decoder_layers=6,
+                        vocab_size=32000, dropout=0.1),
+}
 
 
 # ---------------------------------------------------------------- the data: real lengths, random ids
@@ -334,14 +340,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--profile", action="store_true",
                    help="only mtrain (under bf16 autocast with --bf16): where a step's time goes, by part, with torch.profiler")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="small",
+                   help="small: the Multi30k recipe's model; base: the paper's base model with a 32k vocabulary")
     args = p.parse_args(argv)
     if args.quick:
         args.batches, args.rounds = 2, 1
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    cfg = ModelConfig(d_model=256, d_ff=1024, n_heads=4, n_encoder_layers=3, n_decoder_layers=3,
-                      vocab_size=8000, dropout=0.1)
+    cfg = SHAPES[args.shape]
 
     src_lens, tgt_lens, source = sample_lengths(8000, args.seed)
     bucketed = bucketed_batches(src_lens, tgt_lens, args.max_tokens, args.batches, cfg.vocab_size, args.seed)
@@ -407,7 +414,8 @@ def main(argv: list[str] | None = None) -> dict:
         "bf16_native": bf16_native,
         "batches": args.batches, "rounds": args.rounds, "compile": args.compile, "lengths": source,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-        "shape": {"d_model": cfg.d_model, "d_ff": cfg.d_ff, "n_heads": cfg.n_heads, "layers": "3+3",
+        "shape": {"name": args.shape, "d_model": cfg.d_model, "d_ff": cfg.d_ff, "n_heads": cfg.n_heads,
+                  "layers": f"{cfg.n_encoder_layers}+{cfg.n_decoder_layers}",
                   "vocab_size": cfg.vocab_size, "max_tokens": args.max_tokens},
     }
     log(f"\n{'model':<28}{'tgt tok/s':>11}{'best':>7}{'GFLOP/s':>10}{'of peak':>9}{'pad':>7}{'tgt tok/batch':>15}")
