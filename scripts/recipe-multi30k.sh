@@ -7,7 +7,7 @@
 # TRAIN_HOURS (default 2.75) caps training wall time over all resumed invocations together: at the
 # cap training stops (SIGTERM: the step finishes, last.pt is saved), the last train.average_last step
 # checkpoints are averaged, and the run is scored; re-running after that only re-scores.
-# On a quiet 2-core machine max_steps ends first (de-en: 92.6 min measured, see docs/recipe.md).
+# On a quiet 2-core machine max_steps ends first (de-en: 35.2 min measured in bf16, see docs/recipe.md).
 # RUN=... and TOK=... override the run and tokenized-data folders; EVAL_LINES=N scores only the first
 # N test sentences (a smoke test of the script, not a result).
 # MULTI30K_TEXT=lc-tok trains on the Multi30k repo's lowercased Moses-tokenized files (tok/*.lc.norm.tok.*), as the
