@@ -38,8 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mtrain.config import ModelConfig, TokenizerConfig  # noqa: E402
-from mtrain.hardware import cpu_has_native_bf16  # noqa: E402
 from mtrain.ensemble import Ensemble  # noqa: E402
+from mtrain.export.runtime import pieces  # noqa: E402
+from mtrain.hardware import cpu_has_native_bf16  # noqa: E402
 from mtrain.model import Transformer  # noqa: E402
 from mtrain.search import beam_search, greedy_search  # noqa: E402
 from mtrain.tokenizer import EOS_ID, PAD_ID, Tokenizer  # noqa: E402
@@ -160,7 +161,7 @@ def save_marian_for_ct2(model, tokenizer: Tokenizer, folder: Path) -> Path:
     import ctranslate2
     from transformers import MarianTokenizer
 
-    names = _pieces(folder, tokenizer)
+    names = pieces(tokenizer.src.model)
     names[PAD_ID] = "<pad0>"  # Marian's pad is an extra last entry; mtrain's id 0 keeps another name
     vocab = {piece: i for i, piece in enumerate(names)}
     vocab["<pad>"] = len(names)
@@ -176,16 +177,8 @@ def save_marian_for_ct2(model, tokenizer: Tokenizer, folder: Path) -> Path:
     return out
 
 
-def _pieces(folder: Path, tokenizer: Tokenizer) -> list[str]:
-    import sentencepiece as spm
-
-    tokenizer.save(folder / "spm")
-    proc = spm.SentencePieceProcessor(model_file=str(folder / "spm" / "spm.model"))
-    return [proc.id_to_piece(i) for i in range(proc.get_piece_size())]
-
-
-def run_ct2(translator, src: torch.Tensor, steps: int, pieces: list[str], beam: int) -> None:
-    tokens_in = [[pieces[i] for i in row if i != PAD_ID] for row in src.tolist()]  # ends with </s>
+def run_ct2(translator, src: torch.Tensor, steps: int, names: list[str], beam: int) -> None:
+    tokens_in = [[names[i] for i in row if i != PAD_ID] for row in src.tolist()]  # ends with </s>
     out = translator.translate_batch(tokens_in, beam_size=beam, min_decoding_length=steps,
                                      max_decoding_length=steps, length_penalty=0.6, max_batch_size=0)
     assert all(len(r.hypotheses[0]) == steps for r in out), "ct2 did not decode exactly L steps"
@@ -298,15 +291,14 @@ def main() -> None:
                 import ctranslate2
 
                 ct2_dir = save_marian_for_ct2(hf, tokenizer, Path(tmp))
-                pieces = _pieces(Path(tmp), tokenizer)
-                for name, compute_type in (("ct2", "default"), ("ct2_int8", "int8")):
-                    translator = ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type=compute_type,
-                                                        intra_threads=threads, inter_threads=1)
-                    for beam, label in ((1, "greedy"), (BEAM, "beam5")):
-                        if name == "ct2" and beam == 1:
-                            continue
-                        systems[f"{name}_{label}"] = (
-                            lambda src, steps, t=translator, b=beam: run_ct2(t, src, steps, pieces, b))
+                names = pieces(tokenizer.src.model)
+                translators = {compute_type: ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type=compute_type,
+                                                                    intra_threads=threads, inter_threads=1)
+                               for compute_type in ("default", "int8")}
+                for name, compute_type, beam in (("ct2_beam5", "default", BEAM), ("ct2_int8_greedy", "int8", 1),
+                                                 ("ct2_int8_beam5", "int8", BEAM)):
+                    systems[name] = (lambda src, steps, t=translators[compute_type], b=beam:
+                                     run_ct2(t, src, steps, names, b))
         timed(systems, warmup)
         seconds = timed(systems, batches)
     tokens = sum(steps * src.size(0) for src, steps in batches)
