@@ -2,10 +2,11 @@
 sentences/s and size on disk of the single teacher (mtrain, beam 5), the teacher ensemble (when
 several teachers are given), the student (mtrain, greedy and beam 5) and the student's CTranslate2
 int8 export (greedy). Systems take turns chunk by chunk, so load from other processes falls on
-all of them alike. Writes --out (JSON) and the same table as Markdown beside it.
+all of them alike. Writes --out (JSON) and the same table as Markdown beside it, and with
+--hyp-dir each system's translations (<system>.hyp) for scoring with other metrics.
 
     python scripts/distill_report.py --teacher A.pt [B.pt] --student S.pt --student-export DIR \
-        --src test2016.de --ref test2016.en --out results.json [--threads T]"""
+        --src test2016.de --ref test2016.en --out results.json [--hyp-dir DIR] [--threads T]"""
 
 from __future__ import annotations
 
@@ -67,6 +68,11 @@ def run(args) -> dict:
             begin = time.perf_counter()
             outputs[name] += translate_lines(model, tokenizer, sources[start : start + CHUNK], decode, "cpu", stats)
             seconds[name] += time.perf_counter() - begin
+    if args.hyp_dir:
+        args.hyp_dir.mkdir(parents=True, exist_ok=True)
+        for name, lines in outputs.items():
+            with atomic_write(args.hyp_dir / f"{name}.hyp") as handle:
+                handle.writelines(line + "\n" for line in lines)
     rows = {}
     for name, (paths, beam) in systems(args).items():
         rows[name] = {
@@ -100,6 +106,7 @@ def main() -> None:
     parser.add_argument("--src", type=Path, required=True)
     parser.add_argument("--ref", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--hyp-dir", type=Path, help="write each system's translations to DIR/<system>.hyp")
     parser.add_argument("--threads", type=int, default=0)
     args = parser.parse_args()
     if args.threads:

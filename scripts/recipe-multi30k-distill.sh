@@ -9,7 +9,9 @@
 #    with the teacher's SentencePiece model (VOCAB=teacher, the default) or a new one (VOCAB=new);
 # 4. the student trains from configs/multi30k-<dir>-student.yaml, its last checkpoints are averaged;
 # 5. it is exported to CTranslate2 int8, and scripts/distill_report.py scores and times teacher and
-#    student on test2016 in one run (DISTILL/results.json and results.md).
+#    student on test2016 in one run (DISTILL/results.json and results.md; each system's translations in
+#    DISTILL/test2016-hyp, and their lowercased tokenized BLEU in DISTILL/tok-bleu.md when the Multi30k
+#    tok/ references are found).
 # Every stage writes its output atomically and is skipped when that output exists, so re-running the
 # command resumes where it stopped (training resumes from last.pt). DISTILL (default
 # runs/multi30k-<dir>-distill) holds everything; CORPUS (default data/multi30k) is the raw corpus.
@@ -88,4 +90,20 @@ fi
     --format ctranslate2 --quantization int8 --out "$DISTILL/student-ct2-int8" --data "$DISTILL/tok"
 python scripts/distill_report.py --teacher "${TEACHERS[@]}" --student "$DISTILL/student/averaged.pt" \
     --student-export "$DISTILL/student-ct2-int8" --src "$CORPUS/test2016.$SRC" --ref "$CORPUS/test2016.$TGT" \
-    --out "$DISTILL/results.json"
+    --out "$DISTILL/results.json" --hyp-dir "$DISTILL/test2016-hyp"
+# The papers' Multi30k metric, lowercased tokenized BLEU, of every system when Multi30k's tok/ references are
+# found and match the test set line for line (a CORPUS of other sentences has none).
+. scripts/tok_bleu.sh
+TOKREF=$(find_tokref test2016 $TGT)
+if [ -n "$TOKREF" ] && [ "$(wc -l < "$TOKREF")" -eq "$(wc -l < "$CORPUS/test2016.$TGT")" ]; then
+    for hyp in "$DISTILL"/test2016-hyp/*.hyp; do
+        tok_bleu "$hyp" "$TOKREF" $TGT "${hyp%.hyp}.lc.tok" "${hyp%.hyp}.tok-bleu.json"
+    done
+    python - "$DISTILL"/test2016-hyp/*.tok-bleu.json <<'PY' | tee "$DISTILL/tok-bleu.md"
+import json, sys
+from pathlib import Path
+print("| system | lowercased tokenized BLEU |\n|---|---|")
+for path in sys.argv[1:]:
+    print(f"| {Path(path).name.removesuffix('.tok-bleu.json')} | {json.loads(Path(path).read_text())['bleu']:.2f} |")
+PY
+fi

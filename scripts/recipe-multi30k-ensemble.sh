@@ -6,15 +6,15 @@
 # slow host shortens B (its last checkpoints are averaged at the cap) instead of overrunning the budget.
 # B_SETTINGS (default: --set train.seed=2 --set train.max_steps=5500 --set train.cooldown_steps=1800) are B's own
 # options; they follow the extra options, so they win over the same keys given with --set.
-# RUN_A and RUN_B name the run folders (default runs/multi30k-en-de-lctok and runs/multi30k-en-de-lctok-seed2).
+# RUN_A and RUN_B name the run folders (default runs/multi30k-en-de and runs/multi30k-en-de-seed2).
 # Re-running resumes whichever model is unfinished; finished ones are only re-scored.
 # Results: RUN_A/results.json (A alone) and RUN_B/results.json (A + B; the checkpoint field names both).
 # Why this shape (B shorter than A, seed 2) and what it scored: docs/recipe.md#ensembles.
 # TRAIN_HOURS, when set, caps A alone (as in recipe-multi30k.sh). DRY_RUN=1 prints the two recipe commands and exits.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RUN_A=${RUN_A:-runs/multi30k-en-de-lctok}
-RUN_B=${RUN_B:-runs/multi30k-en-de-lctok-seed2}
+RUN_A=${RUN_A:-runs/multi30k-en-de}
+RUN_B=${RUN_B:-runs/multi30k-en-de-seed2}
 TOTAL_HOURS=${TOTAL_HOURS:-3}
 read -ra B_ARGS <<< "${B_SETTINGS:---set train.seed=2 --set train.max_steps=5500 --set train.cooldown_steps=1800}"
 if [ -n "${DRY_RUN:-}" ]; then

@@ -37,6 +37,17 @@ def test_student_config_is_a_smaller_decoder_over_the_teachers_width():
             assert "#" in line, f"no comment on {line.strip()!r}"
 
 
+def test_en_de_student_is_one_recipe_model():
+    # Distilled from the two-model ensemble, it must stay exactly the recipe's model: one model's size and cost.
+    student = load_config(ROOT / "configs" / "multi30k-en-de-student.yaml")
+    recipe = load_config(ROOT / "configs" / "multi30k-en-de.yaml")
+    assert (student.data.src, student.data.tgt) == (recipe.data.src, recipe.data.tgt) == ("en", "de")
+    assert student.model == recipe.model
+    assert student.decode.lenpen == recipe.decode.lenpen  # fixed before training, not chosen on its test score
+    t = student.train
+    assert t.max_steps % t.save_every == 0 and t.average_last * t.save_every <= t.cooldown_steps < t.max_steps
+
+
 def test_a_missing_teacher_fails_before_any_work(tmp_path):
     proc = run_script({"TEACHER": str(tmp_path / "nope.pt"), "DISTILL": str(tmp_path / "d")}, "de-en")
     assert proc.returncode == 2 and "TEACHER=" in proc.stderr and "no such checkpoint" in proc.stderr
@@ -131,6 +142,8 @@ def test_the_whole_path_on_tiny_models_and_a_rerun_redoes_nothing(multi30k_dir, 
     result = json.loads((distill / "results.json").read_text())
     assert set(result["rows"]) == {"teacher_beam5", "student_greedy", "student_beam5", "student_ct2_int8_greedy"}
     assert all(row["sent_s"] > 0 and row["size_mb"] > 0 for row in result["rows"].values())
+    for name in result["rows"]:  # every system's translations, line-aligned with the 30 test sources
+        assert len((distill / "test2016-hyp" / f"{name}.hyp").read_text().splitlines()) == 30
     assert (distill / "tok" / "spm.model").read_bytes() == (tok / "spm.model").read_bytes()  # the teacher's vocabulary
     assert len((distill / "corpus" / "train.en").read_text().splitlines()) <= 300
     stamps = {p: p.stat().st_mtime_ns for p in [distill / "corpus" / "train.en.teacher", distill / "tok" / "meta.json",

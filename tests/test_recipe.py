@@ -187,13 +187,13 @@ def _recipe_plan(direction: str, **env: str) -> dict[str, str]:
 
 
 def test_recipe_text_defaults_per_direction():
-    # Each direction trains on the text that won on its valid split (docs/recipe.md).
+    # Both directions train on the original text, so the model writes real (cased, detokenized) text.
     assert _recipe_plan("de-en") == {"direction": "de-en", "text": "raw", "config": "configs/multi30k-de-en.yaml",
                                      "tok": "data/multi30k-tok-de-en", "run": "runs/multi30k-de-en"}
-    assert _recipe_plan("en-de") == {"direction": "en-de", "text": "lc-tok", "config": "configs/multi30k-en-de.yaml",
-                                     "tok": "data/multi30k-tok-en-de-lctok", "run": "runs/multi30k-en-de-lctok"}
+    assert _recipe_plan("en-de") == {"direction": "en-de", "text": "raw", "config": "configs/multi30k-en-de.yaml",
+                                     "tok": "data/multi30k-tok-en-de", "run": "runs/multi30k-en-de"}
     # An explicit choice wins over the default, and names its own folders.
-    assert _recipe_plan("en-de", MULTI30K_TEXT="raw")["run"] == "runs/multi30k-en-de"
+    assert _recipe_plan("en-de", MULTI30K_TEXT="lc-tok")["run"] == "runs/multi30k-en-de-lctok"
     assert _recipe_plan("de-en", MULTI30K_TEXT="lc-tok", RUN="/tmp/r")["run"] == "/tmp/r"
 
 
@@ -215,8 +215,8 @@ def test_ensemble_recipe_trains_b_after_a_and_keeps_b_distinct():
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "recipe-multi30k-ensemble.sh"), "--set", "train.seed=7"],
                           capture_output=True, text=True, env=env, check=True)
     a, b = proc.stdout.splitlines()
-    assert a.startswith("RUN=runs/multi30k-en-de-lctok ") and a.endswith("recipe-multi30k.sh en-de --set train.seed=7")
-    assert "ENSEMBLE_WITH=runs/multi30k-en-de-lctok " in b and "minus A's training time" in b
+    assert a.startswith("RUN=runs/multi30k-en-de ") and a.endswith("recipe-multi30k.sh en-de --set train.seed=7")
+    assert "ENSEMBLE_WITH=runs/multi30k-en-de " in b and "minus A's training time" in b
     assert b.index("train.seed=7") < b.index("train.seed=2") and b.endswith("--set train.cooldown_steps=1800")
 
 
@@ -367,11 +367,11 @@ def test_bench_runner_reads_the_last_json_line_and_tabulates():
 
 @pytest.mark.slow
 def test_recipe_script_end_to_end_smoke(multi30k_dir, tmp_path):
-    # The whole script on the en-de default (lc-tok text) for a few updates: tokenize, train, average,
+    # The whole script on en-de's lowercased tokenized text for a few updates: tokenize, train, average,
     # score 10 test lines at LENPEN, report. The scores of 4 updates mean nothing; the plumbing does.
     # The config's lr cooldown (3300 updates) must shrink with the run: a longer one is refused.
-    env = {k: v for k, v in os.environ.items() if k != "MULTI30K_TEXT"}
-    env |= {"VIRTUAL_ENV": sys.prefix, "PATH": VENV_PATH,
+    env = dict(os.environ)
+    env |= {"MULTI30K_TEXT": "lc-tok", "VIRTUAL_ENV": sys.prefix, "PATH": VENV_PATH,
             "RUN": str(tmp_path / "run"), "TOK": str(tmp_path / "tok"), "EVAL_LINES": "10", "LENPEN": "1.0"}
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "recipe-multi30k.sh"), "en-de", "--max-steps", "4",
                            "--set", "train.cooldown_steps=2"],
