@@ -51,6 +51,8 @@ HEADLINES: dict[str, dict[str, str]] = {
         "mtrain_beam5_vs_ct2_beam5": "mtrain / CTranslate2 (beam 5)",
         "mtrain_beam5_vs_ct2_int8_beam5": "mtrain / CTranslate2 int8 (beam 5)",
         "mtrain_greedy_vs_hf_greedy": "mtrain / HF (greedy)",
+        "mtrain_int8_beam5_vs_ct2_int8_beam5": "mtrain int8 / CTranslate2 int8 (beam 5)",
+        "mtrain_int8_greedy_vs_hf_greedy": "mtrain int8 / HF (greedy)",
     },
     "e2e": {
         "tokenize_wall_s": "mtrain tokenize Multi30k, s",

@@ -1,5 +1,6 @@
-"""Decoding speed, side by side: mtrain greedy and beam 5 (float32, and under bfloat16 autocast where
-the CPU multiplies bfloat16 natively), Hugging Face `MarianMTModel.generate` (greedy and beam 5) and
+"""Decoding speed, side by side: mtrain greedy and beam 5 (float32, with int8 linear layers as
+`--set decode.quantize=int8` decodes, and under bfloat16 autocast where the CPU multiplies bfloat16
+natively), Hugging Face `MarianMTModel.generate` (greedy and beam 5) and
 CTranslate2 (float32 and int8, greedy and beam 5, when installed) on the same Multi30k test2016
 sentences; and mtrain's beam 5 with an ensemble of two such models (`--checkpoint A --checkpoint B`).
 
@@ -11,19 +12,21 @@ All systems see the same length-sorted batches (mtrain's 4096 source-token budge
     python benchmarks/decode.py [--quick] [--json] [--sentences N] [--threads T]
     python benchmarks/decode.py --checkpoint RUN/averaged.pt [--json] [--threads T]
 
-With --checkpoint, a real trained model instead: test2016 translated by mtrain (beam 5) and by its
-`mtrain export` to CTranslate2 in float32 and int8 (beam 5, CTranslate2's own search and length
-penalty), all through mtrain's text handling; sentences/s and cased sacreBLEU of each, same run.
+With --checkpoint, a real trained model instead: test2016 translated by mtrain (beam 5, float32 and
+with int8 linear layers) and by its `mtrain export` to CTranslate2 in float32 and int8 (beam 5,
+CTranslate2's own search and length penalty), all through mtrain's text handling; sentences/s, cased
+sacreBLEU and the share of lines identical to mtrain float32's, same run.
 
 Prints a table (stderr with --json) and, with --json, one JSON object on stdout with
-<system>_sent_s for each system above (mtrain_greedy, mtrain_beam5, mtrain_bf16_greedy, mtrain_bf16_beam5,
-hf_greedy, hf_beam5, ct2_beam5, ct2_int8_greedy, ct2_int8_beam5, mtrain_ensemble2_beam5), the matching
+<system>_sent_s for each system above (mtrain_greedy, mtrain_beam5, mtrain_int8_greedy, mtrain_int8_beam5,
+mtrain_bf16_greedy, mtrain_bf16_beam5, hf_greedy, hf_beam5, ct2_beam5, ct2_int8_greedy, ct2_int8_beam5, mtrain_ensemble2_beam5), the matching
 *_tok_s (target tokens/s: decoding steps x sentences) and the ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import platform
@@ -42,6 +45,7 @@ from mtrain.ensemble import Ensemble  # noqa: E402
 from mtrain.export.runtime import pieces  # noqa: E402
 from mtrain.hardware import cpu_has_native_bf16  # noqa: E402
 from mtrain.model import Transformer  # noqa: E402
+from mtrain.quantize import quantize_int8  # noqa: E402
 from mtrain.search import beam_search, greedy_search  # noqa: E402
 from mtrain.tokenizer import EOS_ID, PAD_ID, Tokenizer  # noqa: E402
 from mtrain.translate import decode_batches  # noqa: E402
@@ -55,7 +59,9 @@ MAX_TOKENS = 4096
 # (mtrain system, peer system) pairs whose speed ratio is reported as <mtrain>_vs_<peer>.
 RATIOS = [("mtrain_beam5", "hf_beam5"), ("mtrain_beam5", "ct2_beam5"), ("mtrain_greedy", "hf_greedy"),
           ("mtrain_beam5", "ct2_int8_beam5"), ("mtrain_bf16_beam5", "ct2_int8_beam5"),
-          ("mtrain_bf16_greedy", "hf_greedy"), ("mtrain_greedy", "ct2_int8_greedy")]
+          ("mtrain_bf16_greedy", "hf_greedy"), ("mtrain_greedy", "ct2_int8_greedy"),
+          ("mtrain_int8_beam5", "ct2_int8_beam5"), ("mtrain_int8_greedy", "hf_greedy"),
+          ("mtrain_int8_greedy", "ct2_int8_greedy"), ("mtrain_int8_beam5", "hf_beam5")]
 
 
 def log(message: str) -> None:
@@ -212,6 +218,8 @@ def real_model(checkpoint: Path, n: int, threads: int, emit) -> dict:
     refs = (corpus / f"test2016.{data['tgt']}").read_text(encoding="utf-8").splitlines()[:n]
     decode = DecodeConfig(**{**ckpt["config"].get("decode", {}), "beam": BEAM, "nbest": 1})
     systems = {"mtrain_beam5": model}
+    systems["mtrain_int8_beam5"] = load_for_decoding(checkpoint, torch.device("cpu"),
+                                                     dataclasses.replace(decode, quantize="int8"))[0]
     with tempfile.TemporaryDirectory() as tmp:
         for name, quantization in (("ct2_float32_beam5", None), ("ct2_int8_beam5", "int8")):
             export_checkpoint(checkpoint, "ctranslate2", Path(tmp) / name, quantization)
@@ -231,8 +239,11 @@ def real_model(checkpoint: Path, n: int, threads: int, emit) -> dict:
         results[f"{name}_sent_s"] = round(len(sources) / seconds[name], 2)
         results[f"{name}_bleu"] = round(bleu, 2)
         emit(f"{name:<20} {len(sources) / seconds[name]:9.1f} sent/s   BLEU {bleu:6.2f}  ({seconds[name]:.1f} s)")
-    for name in ("ct2_float32_beam5", "ct2_int8_beam5"):
+    for name in ("mtrain_int8_beam5", "ct2_float32_beam5", "ct2_int8_beam5"):
         results[f"{name}_vs_mtrain"] = round(results[f"{name}_sent_s"] / results["mtrain_beam5_sent_s"], 3)
+        same = sum(a == b for a, b in zip(outputs[name], outputs["mtrain_beam5"])) / len(sources)
+        results[f"{name}_same_lines"] = round(same, 4)  # share of lines identical to mtrain float32's
+        emit(f"{name}: {same:.1%} of lines identical to mtrain_beam5's")
     results.update(checkpoint=str(checkpoint), sentences=len(sources), threads=threads, torch=torch.__version__)
     return results
 
@@ -276,6 +287,10 @@ def main() -> None:
         "mtrain_beam5": lambda src, steps: run_mtrain([model], src, steps, BEAM),
         "mtrain_ensemble2_beam5": lambda src, steps: run_mtrain(members, src, steps, BEAM),
     }
+    torch.manual_seed(0)
+    int8 = FixedLength(quantize_int8(Transformer(SHAPE).eval()))  # the same weights as `model`, in int8
+    systems["mtrain_int8_greedy"] = lambda src, steps: run_mtrain([int8], src, steps, 1)
+    systems["mtrain_int8_beam5"] = lambda src, steps: run_mtrain([int8], src, steps, BEAM)
     if cpu_has_native_bf16():  # emulated bfloat16 is many times slower than float32: no row then
         systems["mtrain_bf16_greedy"] = lambda src, steps: run_mtrain([model], src, steps, 1, bf16=True)
         systems["mtrain_bf16_beam5"] = lambda src, steps: run_mtrain([model], src, steps, BEAM, bf16=True)

@@ -23,6 +23,7 @@ from mtrain.config import DecodeConfig
 from mtrain.data import make_batches
 from mtrain.errors import MtrainError
 from mtrain.hardware import decode_autocast, resolve_device
+from mtrain.quantize import QUANTIZE_MODES, check_quantize, quantize_int8
 from mtrain.search import Decoder, Sampling, beam_search, greedy_search, sample, stream_key
 from mtrain.tokenizer import EOS_ID, PAD_ID, Side, Tokenizer
 
@@ -57,6 +58,7 @@ def check_decode(decode: DecodeConfig) -> None:
         (decode.max_len_a < 0, f"--max-len-a {decode.max_len_a}: must not be negative"),
         (decode.max_len_b < 0, f"--max-len-b {decode.max_len_b}: must not be negative"),
         (decode.max_tokens < 1, f"--max-tokens {decode.max_tokens}: must be at least 1"),
+        (decode.quantize not in QUANTIZE_MODES, f"decode.quantize={decode.quantize!r}: use off or int8"),
     ]
     for bad, message in problems:
         if bad:
@@ -97,19 +99,29 @@ class Engine(Protocol):
                prefixes: list[list[int]] | None) -> list[list[tuple[list[int], float]]]: ...
 
 
-def load_for_decoding(paths: str | Path | list[str | Path], device: torch.device):
+def load_for_decoding(paths: str | Path | list[str | Path], device: torch.device, decode: DecodeConfig | None = None):
     """(model, tokenizer, checkpoint dict) for checkpoints (several: an ensemble), or for one folder
-    written by `mtrain export --format ctranslate2`."""
+    written by `mtrain export --format ctranslate2`. With decode.quantize=int8 the checkpoints'
+    linear layers are made int8 (mtrain.quantize)."""
     paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    quantize = "off" if decode is None else decode.quantize
+    if decode is not None:
+        check_quantize(quantize, decode.amp, device)
     if any(Path(p).is_dir() for p in paths):
         if len(paths) > 1:
             raise MtrainError(f"{next(p for p in paths if Path(p).is_dir())}: an exported folder decodes alone; "
                               "an ensemble needs mtrain checkpoint files")
+        if quantize != "off":
+            raise MtrainError(f"{paths[0]}: an exported folder keeps the quantization it was exported with; "
+                              "drop decode.quantize (or re-export with --quantization)")
         from mtrain.export.runtime import CTranslate2Model
 
         engine = CTranslate2Model(paths[0], device)
         return engine, engine.tokenizer, {"stats": engine.meta.get("stats") or {}}
-    return load_models(paths, device)
+    model, tokenizer, ckpt = load_models(paths, device)
+    if quantize == "int8":
+        model = quantize_int8(model)
+    return model, tokenizer, ckpt
 
 
 def _search(model: Decoder | Engine, src: torch.Tensor, max_len: torch.Tensor, decode: DecodeConfig,
@@ -210,7 +222,7 @@ def translate_checkpoints(checkpoints: str | Path | list[str | Path], lines: lis
     """The best translation of each line by a checkpoint (several: an ensemble), with a progress bar."""
     check_decode(decode)
     resolved = resolve_device(device)
-    model, tokenizer, ckpt = load_for_decoding(checkpoints, resolved)
+    model, tokenizer, ckpt = load_for_decoding(checkpoints, resolved, decode)
     return translate_lines(model, tokenizer, lines, decode, resolved, stats=ckpt.get("stats") or None, progress=True)
 
 
@@ -342,7 +354,7 @@ def translate_file(checkpoints: str | Path | list[str | Path], input: str, outpu
         check_parallel("prefix", prefix, input)
     resolved = resolve_device(device)
     with open_input(input) as (handle, name, interactive), contextlib.ExitStack() as stack:
-        model, tokenizer, ckpt = load_for_decoding(checkpoints, resolved)
+        model, tokenizer, ckpt = load_for_decoding(checkpoints, resolved, decode)
         stats = ckpt.get("stats") or None
         # Typed lines are answered one at a time; files and pipes go in chunks with a progress bar.
         size = 1 if interactive else CHUNK_LINES

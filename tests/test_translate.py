@@ -194,6 +194,29 @@ def test_cli_bad_arguments_fail_in_one_line(checkpoint, args, needle):
     assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+def test_cli_int8_decoding_is_line_aligned_and_deterministic(checkpoint, tmp_path):
+    # decode.quantize=int8 goes through the same text handling: one line out per line in, empty lines
+    # stay empty, and the same input gives the same output on a second run.
+    lines = REAL + ["", REAL[1]]
+    first = run("--checkpoint", checkpoint, "--beam", "3", "--device", "cpu", "--set", "decode.quantize=int8",
+                input="\n".join(lines) + "\n")
+    assert first.exit_code == 0, first.output
+    written = first.stdout.split("\n")
+    assert len(written) - 1 == len(lines) and written[4] == ""
+    again = run("--checkpoint", checkpoint, "--beam", "3", "--device", "cpu", "--set", "decode.quantize=int8",
+                input="\n".join(lines) + "\n")
+    assert again.stdout == first.stdout
+
+
+@pytest.mark.parametrize("setting, needle", [("decode.quantize=int4", "decode.quantize"),
+                                             ("decode.amp=bf16", "drop decode.amp")])
+def test_cli_int8_settings_that_cannot_work_fail_in_one_line(checkpoint, setting, needle):
+    extra = [] if setting.startswith("decode.quantize") else ["--set", "decode.quantize=int8"]
+    result = run("--checkpoint", checkpoint, "--device", "cpu", "--set", setting, *extra, input="Hallo\n")
+    assert result.exit_code == 1
+    assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
 # --- ensembles from the command line ---------------------------------------------------------------
 
 def resave(checkpoint, path, **changes):

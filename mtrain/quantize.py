@@ -1,0 +1,96 @@
+"""Decoding with int8 linear layers (decode.quantize=int8), on a CPU.
+
+Every nn.Linear of the model (attention projections, feed-forward layers, the output projection)
+is replaced by PyTorch's dynamically quantized one: weights are stored as int8 with one scale per
+output row, each input batch is quantized on the fly with one range of its own (8 bits on CPUs with
+VNNI, 7 elsewhere: see _full_range), the product is accumulated in int32 by PyTorch's x86 (fbgemm)
+kernels and scaled back to float32.
+Embeddings, layer norms, attention's softmax and the search stay in float32. At decoding's small
+batches the linear layers are most of the time, and int8 multiplies them 2-3x faster than float32
+on the CPUs measured (docs/benchmarks.md). Translations differ from float32's on a share of lines;
+the share and the BLEU change on real models are in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+
+import torch
+from torch import nn
+
+from mtrain.errors import MtrainError
+
+QUANTIZE_MODES = ("off", "int8")
+
+
+def check_quantize(quantize: str, amp: str, device: torch.device) -> None:
+    """One-line errors for decode.quantize settings that cannot work, before any model is loaded."""
+    if quantize not in QUANTIZE_MODES:
+        raise MtrainError(f"decode.quantize={quantize!r}: unknown value; use off or int8")
+    if quantize == "off":
+        return
+    if device.type != "cpu":
+        raise MtrainError(f"decode.quantize=int8 runs on a CPU only; on {device.type} use --set decode.amp=bf16 "
+                          "(or --device cpu)")
+    if amp != "off":
+        raise MtrainError(f"decode.quantize=int8 decodes in float32 around its int8 layers; drop decode.amp={amp} "
+                          "(or decode.quantize)")
+    engines = torch.backends.quantized.supported_engines
+    if not any(engine in engines for engine in ("x86", "fbgemm")):
+        raise MtrainError("decode.quantize=int8: this PyTorch build has no x86/fbgemm int8 kernels; "
+                          "use decode.quantize=off, or export to CTranslate2 with --quantization int8")
+
+
+def quantize_int8(model: nn.Module) -> nn.Module:
+    """`model` with every nn.Linear replaced by a dynamically quantized int8 one (in place), per-channel
+    weight scales. For an ensemble, each member."""
+    members = getattr(model, "models", None)
+    if members is not None:  # mtrain.ensemble.Ensemble
+        for member in members:
+            quantize_int8(member)
+        return model
+    try:
+        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+    except ImportError:
+        raise MtrainError("decode.quantize=int8 needs torch.ao.quantization, which this PyTorch lacks; use "
+                          "decode.quantize=off, or export to CTranslate2 with --quantization int8") from None
+    with _quiet():
+        # PyTorch marks torch.ao.quantization for future removal in favour of torchao, whose int8 path
+        # is no faster than float32 on a CPU without torch.compile; the warning says nothing to a user.
+        mapping = {nn.Linear: _full_range_linear()} if _full_range() else None
+        quantize_dynamic(model, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True,
+                         mapping=mapping)
+    return model
+
+
+def _full_range() -> bool:
+    """Whether activations may use all 8 bits. PyTorch quantizes them to 7 (reduce_range) because
+    AVX2's u8 x s8 multiply-add saturates a 16-bit sum of two products; VNNI's adds into 32 bits,
+    so on CPUs with it the eighth bit is free precision."""
+    check = getattr(getattr(torch, "cpu", None), "_is_vnni_supported", None)
+    return bool(callable(check) and check())
+
+
+@functools.cache
+def _full_range_linear():
+    from torch.ao.nn.quantized.dynamic import Linear
+
+    class FullRangeLinear(Linear):
+        """A dynamically quantized linear layer whose activations use all 8 bits (see _full_range)."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.ops.quantized.linear_dynamic(x, self._packed_params._packed_params,
+                                                      reduce_range=False).to(x.dtype)
+
+    return FullRangeLinear
+
+
+@contextlib.contextmanager
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", UserWarning)
+        yield
+

@@ -1,0 +1,86 @@
+"""decode.quantize=int8: every linear layer becomes int8 and nothing else does, the logits stay close
+to float32's, `mtrain translate` stays line-aligned with it, and settings that cannot work fail in one
+line before any model is loaded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from mtrain import quantize
+from mtrain.config import DecodeConfig, ModelConfig
+from mtrain.ensemble import Ensemble
+from mtrain.errors import MtrainError
+from mtrain.model import Transformer
+from mtrain.quantize import check_quantize, quantize_int8
+
+CFG = ModelConfig(d_model=64, d_ff=128, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, vocab_size=300, dropout=0.0)
+CPU = torch.device("cpu")
+
+
+def model(seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(CFG).eval()
+
+
+def linears(module: nn.Module) -> list[str]:
+    return [name for name, m in module.named_modules() if type(m) is nn.Linear]
+
+
+def test_every_linear_layer_and_only_those_become_int8():
+    float_model, int8_model = model(), quantize_int8(model())
+    quantized = [name for name, m in int8_model.named_modules() if "Quantized" in type(m).__name__
+                 or "FullRange" in type(m).__name__]
+    assert linears(int8_model) == [] and sorted(quantized) == sorted(linears(float_model))
+    assert "proj" in quantized  # the tied output projection: the largest matmul of a decoding step
+    # Embeddings and layer norms stay float32 and untouched (the projection got its own int8 copy).
+    assert torch.equal(int8_model.tgt_embed.weight, float_model.tgt_embed.weight)
+    assert int8_model.tgt_embed.weight.dtype == torch.float32
+    assert torch.equal(int8_model.decoder[0].norm1.weight, float_model.decoder[0].norm1.weight)
+
+
+@pytest.mark.parametrize("full_range", [True, False])
+def test_int8_logits_stay_close_to_float32(monkeypatch, full_range):
+    # 8-bit weights (one scale per output row) and 8- or 7-bit activations: each product carries a
+    # rounding error of about 1/254 (1/127) of its operands' ranges, so the logits move by a few
+    # percent of their spread at most; a wrong scale, a transposed weight or a lost bias moves them by 100%.
+    monkeypatch.setattr(quantize, "_full_range", lambda: full_range)
+    src = torch.randint(4, CFG.vocab_size, (6, 9))
+    tgt = torch.randint(4, CFG.vocab_size, (6, 7))
+    with torch.inference_mode():
+        expected = model()(src, tgt)
+        got = quantize_int8(model())(src, tgt)
+    error = (got - expected).norm() / expected.norm()
+    assert error < 0.05, f"relative error {error:.3f}"
+
+
+def test_an_ensemble_quantizes_each_member():
+    ensemble = quantize_int8(Ensemble([model(0), model(1)]))
+    assert all(linears(member) == [] for member in ensemble.models)
+
+
+@pytest.mark.parametrize("quantize_mode, amp, device, words", [
+    ("int4", "off", "cpu", "use off or int8"),
+    ("int8", "bf16", "cpu", "drop decode.amp=bf16"),
+    ("int8", "off", "cuda", "runs on a CPU only"),
+])
+def test_settings_that_cannot_work_fail_in_one_line(quantize_mode, amp, device, words):
+    with pytest.raises(MtrainError, match=words) as caught:
+        check_quantize(quantize_mode, amp, torch.device(device))
+    assert "\n" not in str(caught.value)
+
+
+def test_off_is_always_allowed():
+    check_quantize("off", "bf16", torch.device("cuda"))  # no error: nothing to quantize
+
+
+def test_decode_config_has_quantize_off_by_default():
+    assert DecodeConfig().quantize == "off"
+
+
+def test_an_exported_folder_keeps_its_own_quantization(tmp_path):
+    from mtrain.translate import load_for_decoding
+
+    with pytest.raises(MtrainError, match="exported folder keeps the quantization"):
+        load_for_decoding(tmp_path, CPU, DecodeConfig(quantize="int8"))
