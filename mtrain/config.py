@@ -154,7 +154,7 @@ class DecodeConfig:
     # Validation inside training decodes in the training's precision either way.
     amp: str = "off"
     # off | int8: decode on a CPU with every linear layer in int8 (weights per output row, activations
-    # quantized on the fly; mtrain.quantize). 2-3x float32's speed at decoding's batch sizes; changes
+    # quantized on the fly; mtrain.quantize). 1.7-3x float32's speed at decoding's batch sizes; changes
     # a share of lines (docs/benchmarks.md), so off by default. Not with amp, not on a GPU.
     quantize: str = "off"
 

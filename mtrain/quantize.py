@@ -6,7 +6,7 @@ output row, each input batch is quantized on the fly with one range of its own (
 VNNI, 7 elsewhere: see _full_range), the product is accumulated in int32 by PyTorch's x86 (fbgemm)
 kernels and scaled back to float32.
 Embeddings, layer norms, attention's softmax and the search stay in float32. At decoding's small
-batches the linear layers are most of the time, and int8 multiplies them 2-3x faster than float32
+batches the linear layers are most of the time, and int8 multiplies them 1.7-3x faster than float32
 on the CPUs measured (docs/benchmarks.md). Translations differ from float32's on a share of lines;
 the share and the BLEU change on real models are in docs/benchmarks.md.
 """
