@@ -26,6 +26,7 @@ mtrain_bf16_greedy, mtrain_bf16_beam5, hf_greedy, hf_beam5, ct2_beam5, ct2_int8_
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import importlib.util
 import json
@@ -287,8 +288,7 @@ def main() -> None:
         "mtrain_beam5": lambda src, steps: run_mtrain([model], src, steps, BEAM),
         "mtrain_ensemble2_beam5": lambda src, steps: run_mtrain(members, src, steps, BEAM),
     }
-    torch.manual_seed(0)
-    int8 = FixedLength(quantize_int8(Transformer(SHAPE).eval()))  # the same weights as `model`, in int8
+    int8 = FixedLength(quantize_int8(copy.deepcopy(model.model)))  # the same weights as `model`, in int8
     systems["mtrain_int8_greedy"] = lambda src, steps: run_mtrain([int8], src, steps, 1)
     systems["mtrain_int8_beam5"] = lambda src, steps: run_mtrain([int8], src, steps, BEAM)
     if cpu_has_native_bf16():  # emulated bfloat16 is many times slower than float32: no row then

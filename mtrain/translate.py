@@ -23,7 +23,7 @@ from mtrain.config import DecodeConfig
 from mtrain.data import make_batches
 from mtrain.errors import MtrainError
 from mtrain.hardware import decode_autocast, resolve_device
-from mtrain.quantize import QUANTIZE_MODES, check_quantize, quantize_int8
+from mtrain.quantize import check_quantize, quantize_int8
 from mtrain.search import Decoder, Sampling, beam_search, greedy_search, sample, stream_key
 from mtrain.tokenizer import EOS_ID, PAD_ID, Side, Tokenizer
 
@@ -58,7 +58,6 @@ def check_decode(decode: DecodeConfig) -> None:
         (decode.max_len_a < 0, f"--max-len-a {decode.max_len_a}: must not be negative"),
         (decode.max_len_b < 0, f"--max-len-b {decode.max_len_b}: must not be negative"),
         (decode.max_tokens < 1, f"--max-tokens {decode.max_tokens}: must be at least 1"),
-        (decode.quantize not in QUANTIZE_MODES, f"decode.quantize={decode.quantize!r}: use off or int8"),
     ]
     for bad, message in problems:
         if bad:
@@ -104,14 +103,13 @@ def load_for_decoding(paths: str | Path | list[str | Path], device: torch.device
     written by `mtrain export --format ctranslate2`. With decode.quantize=int8 the checkpoints'
     linear layers are made int8 (mtrain.quantize)."""
     paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
-    quantize = "off" if decode is None else decode.quantize
-    if decode is not None:
-        check_quantize(quantize, decode.amp, device)
+    decode = decode or DecodeConfig()
+    check_quantize(decode.quantize, decode.amp, device)
     if any(Path(p).is_dir() for p in paths):
         if len(paths) > 1:
             raise MtrainError(f"{next(p for p in paths if Path(p).is_dir())}: an exported folder decodes alone; "
                               "an ensemble needs mtrain checkpoint files")
-        if quantize != "off":
+        if decode.quantize != "off":
             raise MtrainError(f"{paths[0]}: an exported folder keeps the quantization it was exported with; "
                               "drop decode.quantize (or re-export with --quantization)")
         from mtrain.export.runtime import CTranslate2Model
@@ -119,7 +117,7 @@ def load_for_decoding(paths: str | Path | list[str | Path], device: torch.device
         engine = CTranslate2Model(paths[0], device)
         return engine, engine.tokenizer, {"stats": engine.meta.get("stats") or {}}
     model, tokenizer, ckpt = load_models(paths, device)
-    if quantize == "int8":
+    if decode.quantize == "int8":
         model = quantize_int8(model)
     return model, tokenizer, ckpt
 

@@ -24,11 +24,11 @@ cd "$(dirname "$0")/.."
 DIR=${1:-de-en}
 [ $# -gt 0 ] && shift
 case "$DIR" in
-    de-en) SRC=de TGT=en DEFAULT_TEXT=raw ;;
-    en-de) SRC=en TGT=de DEFAULT_TEXT=raw ;;
+    de-en) SRC=de TGT=en ;;
+    en-de) SRC=en TGT=de ;;
     *) echo "usage: $0 [de-en|en-de] [mtrain train options]" >&2; exit 2 ;;
 esac
-export MULTI30K_TEXT=${MULTI30K_TEXT:-$DEFAULT_TEXT}
+export MULTI30K_TEXT=${MULTI30K_TEXT:-raw}
 case "$MULTI30K_TEXT" in
     raw) VARIANT="" ;;
     lc-tok) VARIANT=-lctok ;;
