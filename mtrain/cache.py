@@ -20,15 +20,19 @@ from torch import Tensor
 
 
 class LayerCache:
-    """One decoder layer's K/V, each (B, H, length, d_head); cross-attention ones (B, H, S, d_head)."""
+    """One decoder layer's K/V. Self-attention ones sit in (B, H, capacity, d_head) buffers whose
+    first `filled` positions hold the tokens fed so far; each call writes its new positions in place
+    and the buffers grow by doubling, so a step copies one position, not the whole history (a
+    torch.cat per step would copy all of it). Cross-attention ones are (B, H, S, d_head)."""
 
     def __init__(self) -> None:
         self.self_k: Tensor | None = None
         self.self_v: Tensor | None = None
+        self.filled = 0
         self.cross_k: Tensor | None = None
         self.cross_v: Tensor | None = None
         # A row reorder of self_k/self_v not applied yet: the next append applies it while it
-        # copies anyway (one copy of the cache per decoding step instead of two).
+        # copies into a new buffer (rows only change when search drops finished sentences).
         self.order: Tensor | None = None
 
     def fold(self, x: Tensor) -> Tensor:
@@ -38,11 +42,22 @@ class LayerCache:
     def self_attention(self, q: Tensor, k: Tensor, v: Tensor,
                        mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """This call's (B, H, t, d_head) q, k, v -> (queries, every key and value so far, mask)."""
-        if self.self_k is not None:
-            k = _reorder_cat(self.self_k, k, self.order)
-            v = _reorder_cat(self.self_v, v, self.order)
-        self.self_k, self.self_v, self.order = k, v, None
-        return q, k, v, mask
+        keys, values = self.append(k, v)
+        return q, keys, values, mask
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write (rows, H, t, d_head) k and v after the filled positions (applying a pending row
+        reorder first); return views of every position so far."""
+        start, end = self.filled, self.filled + k.size(2)
+        if self.self_k is None or self.order is not None or self.self_k.size(2) < end:
+            capacity = max(32, 2 * end) if self.self_k is None or self.self_k.size(2) < end else self.self_k.size(2)
+            self.self_k = _regrow(self.self_k, k, capacity, start, self.order)
+            self.self_v = _regrow(self.self_v, v, capacity, start, self.order)
+            self.order = None
+        self.self_k[:, :, start:end] = k
+        self.self_v[:, :, start:end] = v
+        self.filled = end
+        return self.self_k[:, :, :end], self.self_v[:, :, :end]
 
     def cross_attention(self, q: Tensor, memory: Tensor,
                         memory_kv: Callable[[Tensor], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
@@ -65,7 +80,6 @@ class BeamLayerCache(LayerCache):
     def __init__(self, group: int) -> None:
         super().__init__()
         self.group = group
-        self.length = 0  # steps stored in self_k/self_v
         self.beam_mask: Tensor | None = None  # (B / G, 1, G, G * steps)
 
     def fold(self, x: Tensor) -> Tensor:
@@ -78,17 +92,9 @@ class BeamLayerCache(LayerCache):
         return self.fold(q), keys, values, self.beam_mask
 
     def store(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Put this step's (B / G, H, G, d_head) keys/values in their slots; return every step's."""
-        G, start = self.group, self.length * self.group
-        if self.self_k is None or self.self_k.size(2) < start + G:  # grow by doubling (rarely)
-            steps = max(32, 2 * self.length)
-            self.self_k = _grow(self.self_k, k, steps * G, start)
-            self.self_v = _grow(self.self_v, v, steps * G, start)
-        self.self_k[:, :, start : start + G] = k
-        self.self_v[:, :, start : start + G] = v
-        self.length += 1
-        end = start + G
-        return self.self_k[:, :, :end], self.self_v[:, :, :end]
+        """Put this step's (B / G, H, G, d_head) keys/values in their slots (the next G
+        positions: slot s * G + g); return every step's."""
+        return self.append(k, v)
 
     def reorder(self, index: Tensor, source: Tensor | None) -> None:
         """Self-attention K/V stay in their slots (BeamCache moves the ancestry); only dropping
@@ -100,22 +106,15 @@ class BeamLayerCache(LayerCache):
                 setattr(self, name, getattr(self, name).index_select(0, source))
 
 
-def _grow(old: Tensor | None, like: Tensor, capacity: int, filled: int) -> Tensor:
-    """A (B, H, capacity, d_head) buffer holding the first `filled` positions of old."""
+def _regrow(old: Tensor | None, like: Tensor, capacity: int, filled: int, order: Tensor | None) -> Tensor:
+    """A (rows, H, capacity, d_head) buffer holding the first `filled` positions of old, its rows
+    in `order` when given (index_select writes straight into the new buffer)."""
     out = like.new_empty(like.shape[0], like.shape[1], capacity, like.shape[3])
-    if old is not None:
-        out[:, :, :filled] = old[:, :, :filled]
-    return out
-
-
-def _reorder_cat(old: Tensor, new: Tensor, order: Tensor | None) -> Tensor:
-    """torch.cat([old[order], new], dim=2), with index_select writing straight into the result."""
-    if order is None:
-        return torch.cat([old, new], dim=2)
-    length = old.shape[2]
-    out = old.new_empty(order.numel(), old.shape[1], length + new.shape[2], old.shape[3])
-    torch.index_select(old, 0, order, out=out[:, :, :length])
-    out[:, :, length:] = new
+    if old is not None and filled:
+        if order is None:
+            out[:, :, :filled] = old[:, :, :filled]
+        else:
+            torch.index_select(old[:, :, :filled], 0, order, out=out[:, :, :filled])
     return out
 
 
@@ -163,7 +162,8 @@ class KVCache:
         for old, new in zip(self.layers, out.layers):
             new.cross_k, new.cross_v = old.cross_k, old.cross_v
             # (sources, H, 1, d_head) broadcast to step 0's slots of all G beams
-            new.store(old.self_k.expand(-1, -1, group, -1), old.self_v.expand(-1, -1, group, -1))
+            k, v = old.self_k[:, :, :1], old.self_v[:, :, :1]
+            new.store(k.expand(-1, -1, group, -1), v.expand(-1, -1, group, -1))
         out.record_step(old.self_k.shape[0] * group, old.self_k.device)  # each beam its own step-0 ancestor
         out.length = 1
         return out
