@@ -148,10 +148,10 @@ class DecodeConfig:
     temperature: float = 1.0  # sampling: divide the logits by this (< 1 sharper, > 1 flatter)
     seed: int = 0  # sampling: the same seed gives the same samples, however inputs are batched
     no_repeat_ngram: int = 0  # > 0: never produce an n-gram of this size twice in one output
-    # off | bf16 | auto (as train.amp): decode under bfloat16 autocast where the hardware multiplies
-    # it natively. Off by default: outputs differ from float32's on some lines (on Multi30k test2016
-    # with the de->en recipe's model, 4.5% of greedy lines, at equal BLEU; docs/benchmarks.md).
-    # Validation inside training decodes in the training's precision either way.
+    # off | bf16 | auto (as train.amp): decode with the weights cast to bfloat16 where the hardware
+    # multiplies it natively (mtrain.quantize.bfloat16_weights). Off by default: outputs differ from
+    # float32's on a share of lines (docs/benchmarks.md). Validation inside training decodes in the
+    # training's precision either way.
     amp: str = "off"
     # off | int8: decode on a CPU with every linear layer in int8 (weights per output row, activations
     # quantized on the fly; mtrain.quantize). 1.7-3x float32's speed at decoding's batch sizes; changes

@@ -44,11 +44,12 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: floa
     """softmax(q k^T / sqrt(d_head)) v per head. Under bfloat16 autocast on a CPU, q, k and v go
     to float32 first: PyTorch's CPU attention kernels run ~6x slower in bfloat16 than in float32
     (forward + backward, measured at Multi30k shapes), while their matmuls are tiny (d_head 64,
-    ~15 positions), so the float32 copies cost less than they save."""
+    ~15 positions), so the float32 copies cost less than they save. The result goes back to q's
+    dtype, as autocast would cast it for the next projection (and a bfloat16 decoding copy needs)."""
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         with torch.autocast("cpu", enabled=False):  # autocast would cast them back to bfloat16
             return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
-                                                  dropout_p=dropout_p, is_causal=is_causal)
+                                                  dropout_p=dropout_p, is_causal=is_causal).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
 
 
@@ -207,7 +208,8 @@ class Transformer(nn.Module):
         end = start + ids.shape[1]
         if end > self.pe.shape[0]:  # sinusoids extend to any length; grow the table when needed
             self.pe = sinusoids(max(end, 2 * self.pe.shape[0]), self.cfg.d_model).to(self.pe.device)
-        return self.embed_dropout(table(ids) * self.scale + self.pe[start:end])
+        # In the table's dtype: a bfloat16 decoding copy (mtrain.quantize) keeps float32 sinusoids.
+        return self.embed_dropout((table(ids) * self.scale + self.pe[start:end]).to(table.weight.dtype))
 
     def encode(self, src: Tensor) -> Tensor:
         """(B, S) source ids -> memory (B, S, d_model)."""

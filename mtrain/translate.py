@@ -22,8 +22,8 @@ from mtrain.checkpoint import load_models
 from mtrain.config import DecodeConfig
 from mtrain.data import make_batches
 from mtrain.errors import MtrainError
-from mtrain.hardware import decode_autocast, resolve_device
-from mtrain.quantize import check_quantize, quantize_int8
+from mtrain.hardware import decode_autocast, resolve_amp, resolve_device
+from mtrain.quantize import bfloat16_weights, check_quantize, quantize_int8, weights_dtype
 from mtrain.search import Decoder, Sampling, beam_search, greedy_search, sample, stream_key
 from mtrain.tokenizer import EOS_ID, PAD_ID, Side, Tokenizer
 
@@ -119,6 +119,8 @@ def load_for_decoding(paths: str | Path | list[str | Path], device: torch.device
     model, tokenizer, ckpt = load_models(paths, device)
     if decode.quantize == "int8":
         model = quantize_int8(model)
+    if resolve_amp(decode.amp, device, key="decode.amp") == torch.bfloat16:
+        model = bfloat16_weights(model)
     return model, tokenizer, ckpt
 
 
@@ -177,13 +179,17 @@ def translate_nbest(model: Decoder, tokenizer: Tokenizer, lines: list[str], deco
     results: Hypotheses = [[(LINE_BREAKS.sub(" ", text), 0.0)] * decode.nbest for text in bare]
     todo = [i for i, seq in enumerate(ids) if seq]
     slope = length_slope(decode, stats)
+    # decode.amp over float32 weights: autocast (off keeps the caller's: validation's). Weights that
+    # load_for_decoding made bfloat16 need none.
+    bf16_weights = weights_dtype(model) == torch.bfloat16
+    precision = contextlib.nullcontext() if bf16_weights else decode_autocast(decode.amp, device)
     for batch in decode_batches([len(ids[i]) for i in todo], decode.max_tokens):
         rows = [todo[j] for j in batch]
         src = pad_sources([ids[i] for i in rows], device)
         src_len = torch.tensor([len(ids[i]) for i in rows], dtype=torch.float64)
         max_len = (slope * src_len + decode.max_len_b).floor().long()
         row_prefixes = None if forced is None else [forced[i] for i in rows]
-        with decode_autocast(decode.amp, device):  # decode.amp; off keeps the caller's (validation's)
+        with precision:
             hyps = _search(model, src, max_len, decode, row_prefixes, [first_line + i for i in rows])
         texts = tokenizer.tgt.decode([h for nbest in hyps for h, _ in nbest])
         for k, i in enumerate(rows):

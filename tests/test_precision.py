@@ -68,7 +68,8 @@ def test_dry_run_reports_the_resolved_precision(tokenized_slice, monkeypatch, na
 # ---------------------------------------------------------------- decoding: decode.amp
 
 def test_decode_amp_sets_the_precision_search_runs_in(monkeypatch):
-    """bf16 (native CPU): the search runs under bf16 autocast; off: under whatever the caller set,
+    """bf16 (native CPU): the search of a float32 model runs under bf16 autocast, a bfloat16 copy's
+    without; off: under whatever the caller set,
     so validation inside a bf16 run still decodes in bf16; an unknown value: one line naming
     decode.amp."""
     from mtrain import translate
@@ -103,8 +104,12 @@ def test_decode_amp_sets_the_precision_search_runs_in(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):  # what validation does in a bf16 run
         translate.translate_nbest(model, Tok(), ["a"], DecodeConfig(beam=1), "cpu")
     assert seen == [torch.bfloat16, None, torch.bfloat16]
+    from mtrain.quantize import bfloat16_weights
+
+    translate.translate_nbest(bfloat16_weights(model), Tok(), ["a"], DecodeConfig(beam=1, amp="bf16"), "cpu")
+    assert seen[-1] is None  # weights load_for_decoding made bfloat16 need no autocast
     monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: False)
-    translate.translate_nbest(model, Tok(), ["a"], DecodeConfig(beam=1, amp="bf16"), "cpu")
+    translate.translate_nbest(model.float(), Tok(), ["a"], DecodeConfig(beam=1, amp="bf16"), "cpu")
     assert seen[-1] is None  # emulated bf16 would be slower, not faster
     with pytest.raises(MtrainError, match=r"^decode.amp='fast': unknown value; use auto, bf16, fp16 or off$"):
         translate.translate_nbest(model, Tok(), ["a"], DecodeConfig(beam=1, amp="fast"), "cpu")

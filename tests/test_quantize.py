@@ -84,3 +84,26 @@ def test_an_exported_folder_keeps_its_own_quantization(tmp_path):
 
     with pytest.raises(MtrainError, match="exported folder keeps the quantization"):
         load_for_decoding(tmp_path, CPU, DecodeConfig(quantize="int8"))
+
+
+def test_bfloat16_weights_cast_every_weight_but_the_sinusoids():
+    """decode.amp=bf16 decodes a bfloat16 copy: every parameter bfloat16, the sinusoid table float32
+    (each position's embedding is rounded once), each member of an ensemble alike."""
+    bf16 = quantize.bfloat16_weights(model())
+    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+    assert bf16.pe.dtype == torch.float32 and quantize.weights_dtype(bf16) == torch.bfloat16
+    pair = quantize.bfloat16_weights(Ensemble([model(1), model(2)]))
+    assert [quantize.weights_dtype(member) for member in pair.models] == [torch.bfloat16] * 2
+    assert quantize.weights_dtype(model()) == torch.float32
+
+
+@torch.inference_mode()
+def test_bfloat16_logits_stay_close_to_float32():
+    """Teacher-forced logits of the bfloat16 copy are float32's to within bfloat16's rounding through
+    the layers: 5% of the largest logit (a bfloat16 value carries 8 significant bits, 0.4%)."""
+    torch.manual_seed(0)
+    src, tgt = torch.randint(4, CFG.vocab_size, (8, 12)), torch.randint(4, CFG.vocab_size, (8, 9))
+    reference = model()(src, tgt)
+    got = quantize.bfloat16_weights(model())(src, tgt)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - reference).abs().max() <= 0.05 * reference.abs().max()

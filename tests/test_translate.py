@@ -208,6 +208,26 @@ def test_cli_int8_decoding_is_line_aligned_and_deterministic(checkpoint, tmp_pat
     assert again.stdout == first.stdout
 
 
+def test_cli_bf16_decoding_is_line_aligned_and_matches_a_bf16_copy(checkpoint, monkeypatch):
+    # decode.amp=bf16 (forced native here) loads the weights as bfloat16: the CLI's output is that of
+    # translate_lines on a bfloat16 copy of the model, line for line, empty lines staying empty.
+    from mtrain import hardware
+    from mtrain.checkpoint import load_model
+    from mtrain.quantize import bfloat16_weights
+
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: True)
+    lines = REAL + ["", REAL[1]]
+    result = run("--checkpoint", checkpoint, "--beam", "3", "--device", "cpu", "--set", "decode.amp=bf16",
+                 input="\n".join(lines) + "\n")
+    assert result.exit_code == 0, result.output
+    written = result.stdout.split("\n")
+    assert len(written) - 1 == len(lines) and written[4] == ""
+    model, tokenizer, ckpt = load_model(checkpoint)
+    expected = translate_lines(bfloat16_weights(model), tokenizer, lines, DecodeConfig(beam=3), "cpu",
+                               ckpt.get("stats") or None)
+    assert written[:-1] == expected
+
+
 @pytest.mark.parametrize("setting, needle", [("decode.quantize=int4", "decode.quantize"),
                                              ("decode.amp=bf16", "drop decode.amp")])
 def test_cli_int8_settings_that_cannot_work_fail_in_one_line(checkpoint, setting, needle):
