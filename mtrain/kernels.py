@@ -88,3 +88,19 @@ def topk_rows(x: Tensor, k: int, chunk: int = 64) -> tuple[Tensor, Tensor]:
         candidates = x.gather(1, cols)
     values, pick = candidates.topk(k, dim=1)
     return values, cols.gather(1, pick)
+
+
+def argmax_rows(x: Tensor, chunk: int = 64) -> Tensor:
+    """x.argmax(dim=1) of (N, V) x, the same index (the first of equal maxima), ~4x faster on a CPU
+    for a large V: PyTorch's CPU argmax over rows is not vectorised (1.4 ms for 273 x 8000 float32
+    on 2 cores, against 0.16 ms for amax). The chunk maxima (vectorised) pick each row's first chunk
+    holding its maximum; argmax runs over that chunk only. Rows with a NaN fall back to torch."""
+    V = x.size(1)
+    n = V // chunk
+    if x.device.type != "cpu" or n < 4 or V % chunk:
+        return x.argmax(dim=1)
+    maxima = x.unflatten(1, (n, chunk)).amax(dim=2)  # (N, n)
+    if maxima.isnan().any():
+        return x.argmax(dim=1)
+    cols = maxima.argmax(dim=1, keepdim=True) * chunk + torch.arange(chunk, device=x.device)  # (N, chunk)
+    return cols.gather(1, x.gather(1, cols).argmax(dim=1, keepdim=True)).squeeze(1)

@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
+from mtrain import search
 from mtrain.cache import KVCache
 from mtrain.config import ModelConfig
-from mtrain.kernels import logsumexp_, topk_rows
+from mtrain.kernels import argmax_rows, logsumexp_, topk_rows
 from mtrain.model import Transformer
 from mtrain.search import (
     beam_search,
@@ -127,6 +128,21 @@ def test_topk_rows_equals_topk(vocab):
         finite = ref_values.isfinite()
         assert torch.equal(cols[finite & (torch.arange(40) != 3)[:, None]], ref_cols[finite & (torch.arange(40) != 3)[:, None]])
         assert all(len(set(row)) == k for row in cols[[0, 2, 3]].tolist())  # no column twice
+
+
+@pytest.mark.parametrize("vocab", [8000, 8001, 700, 30])
+def test_argmax_rows_equals_argmax(vocab):
+    # The first of equal maxima, as torch.argmax: ties within a chunk and across chunks, rows of -inf
+    # but one value, a maximum in the last column; ragged and small vocabularies fall back to torch.
+    torch.manual_seed(vocab)
+    x = torch.randn(40, vocab)
+    x[1] = float("-inf")
+    x[1, 3] = 0.5
+    x[2, -1] = 100.0
+    x[3, :] = x[3, 0]
+    x[4, [5, 6, 300 % vocab]] = 50.0
+    x[5] = torch.randint(0, 3, (vocab,)).float()
+    assert torch.equal(argmax_rows(x), x.argmax(dim=1))
 
 
 def test_logsumexp_in_place():
@@ -370,3 +386,47 @@ def test_every_decoder_states_the_search_interface():
     assert all(isinstance(decoder, Decoder) for decoder in decoders)
     caches = [decoder.new_cache() for decoder in decoders] + [model.new_cache(group=3)]
     assert all(isinstance(cache, DecoderCache) for cache in caches)
+
+
+class DecodeOnly:
+    """A Transformer behind decode alone: searches get one block of every row's logits a step."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.model, self.cfg = model, model.cfg
+
+    def encode(self, src):
+        return self.model.encode(src)
+
+    def new_cache(self, group: int = 1):
+        return self.model.new_cache(group)
+
+    def decode(self, tgt, memory, src, cache=None):
+        return self.model.decode(tgt, memory, src, cache)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_projecting_in_blocks_of_rows_changes_no_result(model, monkeypatch, rows):
+    """Searches project the vocabulary a few rows at a time (search.BLOCK_BYTES); every row's choice
+    and score is what one block of all rows gives, forced prefixes and n-gram bans included."""
+    monkeypatch.setattr(search, "BLOCK_BYTES", 4 * model.cfg.vocab_size * rows)
+    whole = DecodeOnly(model)
+    for seed in range(3):
+        src, max_len = random_batch(seed)
+        prefixes = [[5, 6], [], [7], [], [8, 9, 10], []]
+        for args in ((), (prefixes, 2)):
+            assert greedy_search(model, src, max_len, *args) == greedy_search(whole, src, max_len, *args)
+        got = beam_search(model, src, beam=3, lenpen=0.6, max_len=max_len, nbest=3, no_repeat_ngram=2)
+        want = beam_search(whole, src, beam=3, lenpen=0.6, max_len=max_len, nbest=3, no_repeat_ngram=2)
+        assert [[ids for ids, _ in hyps] for hyps in got] == [[ids for ids, _ in hyps] for hyps in want]
+        assert [s for hyps in got for _, s in hyps] == pytest.approx([s for hyps in want for _, s in hyps], abs=1e-5)
+
+
+def test_bfloat16_beam_one_equals_greedy():
+    """A bfloat16 decoding copy (decode.amp=bf16) searches the same way: beam 1 is greedy."""
+    from mtrain.quantize import bfloat16_weights
+
+    bf16 = bfloat16_weights(random_model(1))
+    for seed in range(3):
+        src, max_len = random_batch(seed)
+        beams = beam_search(bf16, src, beam=1, lenpen=0.0, max_len=max_len)
+        assert [hyps[0][0] for hyps in beams] == greedy_search(bf16, src, max_len)
