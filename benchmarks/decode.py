@@ -1,6 +1,6 @@
 """Decoding speed, side by side: mtrain greedy and beam 5 (float32, with int8 linear layers as
-`--set decode.quantize=int8` decodes, and under bfloat16 autocast where the CPU multiplies bfloat16
-natively), Hugging Face `MarianMTModel.generate` (greedy and beam 5) and
+`--set decode.quantize=int8` decodes, and with bfloat16 weights as `--set decode.amp=bf16` decodes
+where the CPU multiplies bfloat16 natively), Hugging Face `MarianMTModel.generate` (greedy and beam 5) and
 CTranslate2 (float32 and int8, greedy and beam 5, when installed) on the same Multi30k test2016
 sentences; and mtrain's beam 5 with an ensemble of two such models (`--checkpoint A --checkpoint B`).
 
@@ -46,7 +46,7 @@ from mtrain.ensemble import Ensemble  # noqa: E402
 from mtrain.export.runtime import pieces  # noqa: E402
 from mtrain.hardware import cpu_has_native_bf16  # noqa: E402
 from mtrain.model import Transformer  # noqa: E402
-from mtrain.quantize import quantize_int8  # noqa: E402
+from mtrain.quantize import bfloat16_weights, quantize_int8  # noqa: E402
 from mtrain.search import beam_search, greedy_search  # noqa: E402
 from mtrain.tokenizer import EOS_ID, PAD_ID, Tokenizer  # noqa: E402
 from mtrain.translate import decode_batches  # noqa: E402
@@ -114,19 +114,22 @@ class FixedLength(torch.nn.Module):
         return self.model.encode(src)
 
     def decode(self, tgt, memory, src, cache):
-        position = cache.length
-        logits = self.model.decode(tgt, memory, src, cache)
-        if position < self.steps - 1:
+        return self.project(self.decode_states(tgt, memory, src, cache))
+
+    def decode_states(self, tgt, memory, src, cache):
+        self.position = cache.length
+        return self.model.decode_states(tgt, memory, src, cache)
+
+    def project(self, states):
+        logits = self.model.project(states)
+        if self.position < self.steps - 1:
             logits[..., EOS_ID] = float("-inf")
         return logits
 
 
-def run_mtrain(models: list[FixedLength], src: torch.Tensor, steps: int, beam: int, bf16: bool = False) -> None:
+def run_mtrain(models: list[FixedLength], src: torch.Tensor, steps: int, beam: int) -> None:
     """Greedy (beam 1) or beam search; several models decode as one Ensemble, each suppressing EOS
-    itself. bf16: under bfloat16 autocast, as `--set decode.amp=bf16` decodes."""
-    if bf16:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return run_mtrain(models, src, steps, beam)
+    itself."""
     for model in models:
         model.steps = steps
     decoder = models[0] if len(models) == 1 else Ensemble(models)
@@ -184,22 +187,73 @@ def save_marian_for_ct2(model, tokenizer: Tokenizer, folder: Path) -> Path:
     return out
 
 
-def run_ct2(translator, src: torch.Tensor, steps: int, names: list[str], beam: int) -> None:
-    tokens_in = [[names[i] for i in row if i != PAD_ID] for row in src.tolist()]  # ends with </s>
+def run_ct2(translator, src: torch.Tensor | list[list[int]], steps: int, names: list[str], beam: int) -> None:
+    rows = src.tolist() if isinstance(src, torch.Tensor) else src
+    tokens_in = [[names[i] for i in row if i != PAD_ID] for row in rows]  # ends with </s>
     out = translator.translate_batch(tokens_in, beam_size=beam, min_decoding_length=steps,
                                      max_decoding_length=steps, length_penalty=0.6, max_batch_size=0)
     assert all(len(r.hypotheses[0]) == steps for r in out), "ct2 did not decode exactly L steps"
 
 
+class Ct2Process:
+    """CTranslate2 translators in a process of their own, timed there.
+
+    CTranslate2's OpenMP calls in the process that runs PyTorch bind to PyTorch's libgomp, whose
+    team then has more threads than the machine has cores. libgomp then stops spinning between
+    parallel regions and puts its threads to sleep, so every later PyTorch op waits for its threads
+    to wake: after one CTranslate2 call, an mtrain greedy batch took 416 ms instead of 246 ms (2
+    cores), and PyTorch alone with OMP_WAIT_POLICY=passive was as slow. Users run one of them in
+    a process, so each runs in its own here."""
+
+    def __init__(self, folder: Path, names: list[str], threads: int, compute_types: tuple[str, ...]) -> None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self.pipe, child = context.Pipe()
+        self.process = context.Process(target=_ct2_serve, args=(child, str(folder), names, threads, compute_types),
+                                       daemon=True)
+        self.process.start()
+        self.pipe.recv()  # the translators are loaded
+
+    def run(self, src: torch.Tensor, steps: int, compute_type: str, beam: int) -> float:
+        """Seconds the process took to decode one batch."""
+        self.pipe.send((src.tolist(), steps, compute_type, beam))
+        result = self.pipe.recv()
+        if isinstance(result, str):
+            raise RuntimeError(f"CTranslate2 process: {result}")
+        return result
+
+    def close(self) -> None:
+        self.pipe.send(None)
+        self.process.join(timeout=30)
+
+
+def _ct2_serve(pipe, folder: str, names: list[str], threads: int, compute_types: tuple[str, ...]) -> None:
+    import ctranslate2
+
+    translators = {kind: ctranslate2.Translator(folder, device="cpu", compute_type=kind, intra_threads=threads,
+                                                inter_threads=1) for kind in compute_types}
+    pipe.send("ready")
+    while (request := pipe.recv()) is not None:
+        rows, steps, kind, beam = request
+        try:
+            start = time.perf_counter()
+            run_ct2(translators[kind], rows, steps, names, beam)
+            pipe.send(time.perf_counter() - start)
+        except Exception as error:  # noqa: BLE001 - reported by the parent
+            pipe.send(f"{type(error).__name__}: {error}")
+
+
 def timed(systems: dict, batches) -> dict[str, float]:
     """Seconds per system. Systems take turns batch by batch, so load from other processes on a
-    shared machine falls on all of them alike rather than on whichever ran during a busy minute."""
+    shared machine falls on all of them alike rather than on whichever ran during a busy minute.
+    A system that returns a number has timed itself (in another process: Ct2Process)."""
     seconds = dict.fromkeys(systems, 0.0)
     for src, steps in batches:
         for name, run in systems.items():
             start = time.perf_counter()
-            run(src, steps)
-            seconds[name] += time.perf_counter() - start
+            took = run(src, steps)
+            seconds[name] += took if isinstance(took, float) else time.perf_counter() - start
     return seconds
 
 
@@ -292,8 +346,10 @@ def main() -> None:
     systems["mtrain_int8_greedy"] = lambda src, steps: run_mtrain([int8], src, steps, 1)
     systems["mtrain_int8_beam5"] = lambda src, steps: run_mtrain([int8], src, steps, BEAM)
     if cpu_has_native_bf16():  # emulated bfloat16 is many times slower than float32: no row then
-        systems["mtrain_bf16_greedy"] = lambda src, steps: run_mtrain([model], src, steps, 1, bf16=True)
-        systems["mtrain_bf16_beam5"] = lambda src, steps: run_mtrain([model], src, steps, BEAM, bf16=True)
+        bf16 = FixedLength(bfloat16_weights(copy.deepcopy(model.model)))  # as decode.amp=bf16 loads it
+        systems["mtrain_bf16_greedy"] = lambda src, steps: run_mtrain([bf16], src, steps, 1)
+        systems["mtrain_bf16_beam5"] = lambda src, steps: run_mtrain([bf16], src, steps, BEAM)
+    ct2 = None
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_hf and importlib.util.find_spec("transformers"):
             from transformers import MarianMTModel
@@ -303,19 +359,15 @@ def main() -> None:
             systems["hf_greedy"] = lambda src, steps: run_hf(hf, src, steps, 1, SHAPE.vocab_size)
             systems["hf_beam5"] = lambda src, steps: run_hf(hf, src, steps, BEAM, SHAPE.vocab_size)
             if importlib.util.find_spec("ctranslate2"):
-                import ctranslate2
-
                 ct2_dir = save_marian_for_ct2(hf, tokenizer, Path(tmp))
-                names = pieces(tokenizer.src.model)
-                translators = {compute_type: ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type=compute_type,
-                                                                    intra_threads=threads, inter_threads=1)
-                               for compute_type in ("default", "int8")}
+                ct2 = Ct2Process(ct2_dir, pieces(tokenizer.src.model), threads, ("default", "int8"))
                 for name, compute_type, beam in (("ct2_beam5", "default", BEAM), ("ct2_int8_greedy", "int8", 1),
                                                  ("ct2_int8_beam5", "int8", BEAM)):
-                    systems[name] = (lambda src, steps, t=translators[compute_type], b=beam:
-                                     run_ct2(t, src, steps, names, b))
+                    systems[name] = (lambda src, steps, kind=compute_type, b=beam: ct2.run(src, steps, kind, b))
         timed(systems, warmup)
         seconds = timed(systems, batches)
+        if ct2 is not None:
+            ct2.close()
     tokens = sum(steps * src.size(0) for src, steps in batches)
     for name, secs in seconds.items():
         results[f"{name}_sent_s"] = round(n / secs, 2)
