@@ -126,12 +126,13 @@ def topk_step(scores: Tensor, top: Tensor, top_ids: Tensor, k: int) -> tuple[Ten
     return values, flat // kk, top_ids.reshape(B, K * kk).gather(1, flat)
 
 
-# Rows of logits handled at once: 2 MiB of float32 at an 8k vocabulary, so a block's logits stay
-# in cache between the projection, the upcast, the top-k and the logsumexp. One (N, V) float32
-# array instead (44 MB at beam 5 x 273 sentences) went to and from memory at each pass, and at that
-# size every step's fresh allocation is a new mapping whose pages fault in (10 ms of 14 for the
-# upcast alone, measured at 1365 x 8000 on 2 cores).
-BLOCK_BYTES = 2 ** 21
+# Rows of logits handled at once: 8 MiB of float32 (262 rows at an 8k vocabulary). One (N, V) array
+# for all rows (44 MB at beam 5 x 273 sentences) is a fresh mapping at every step whose pages fault
+# in (10 ms of 14 for its float32 upcast alone, 1365 x 8000 on 2 cores); small blocks pay the
+# per-op cost of the projection, top-k and logsumexp many times over. On the 2-core AMX host, with
+# a bfloat16 model: 4 to 16 MiB decoded greedy 15% and beam 5 7% faster than 2 MiB, 64 MiB beam 5
+# 9% slower (benchmarks/decode.py's batches).
+BLOCK_BYTES = 2 ** 23
 
 
 def step_logits(model: Decoder, tokens: Tensor, memory: Any, src: Tensor, cache) -> Iterator[tuple[int, Tensor]]:
