@@ -46,26 +46,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: floa
     (forward + backward, measured at Multi30k shapes), while their matmuls are tiny (d_head 64,
     ~15 positions), so the float32 copies cost less than they save. The result goes back to q's
     dtype, as autocast would cast it for the next projection (and a bfloat16 decoding copy needs)."""
-    if q.device.type == "cpu" and not torch.is_grad_enabled() and q.size(-2) < k.size(-2) and not is_causal:
-        return step_attention(q, k, v, mask)
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         with torch.autocast("cpu", enabled=False):  # autocast would cast them back to bfloat16
             return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
                                                   dropout_p=dropout_p, is_causal=is_causal).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
-
-
-def step_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """attend for decoding steps on a CPU (fewer queries than keys, no gradient): two batched
-    matmuls and a softmax in float32, the result in q's dtype. The keys and values come from the
-    cache (mtrain.cache), already float32 and laid out in buffers with room to grow; matmul reads
-    them in place, where PyTorch's CPU attention kernel copied them to contiguous float32 tensors
-    at every step (a quarter of a bfloat16 beam-5 profile)."""
-    with torch.autocast("cpu", enabled=False):
-        scores = torch.matmul(q.float() * q.size(-1) ** -0.5, k.float().transpose(-1, -2))
-        if mask is not None:
-            scores.masked_fill_(~mask, float("-inf"))
-        return torch.matmul(scores.softmax(dim=-1), v.float()).to(q.dtype)
 
 
 class SelfAttention(nn.Module):
