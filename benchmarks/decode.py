@@ -12,8 +12,8 @@ All systems see the same length-sorted batches (mtrain's 4096 source-token budge
     python benchmarks/decode.py [--quick] [--json] [--sentences N] [--threads T]
     python benchmarks/decode.py --checkpoint RUN/averaged.pt [--json] [--threads T]
 
-With --checkpoint, a real trained model instead: test2016 translated by mtrain (beam 5, float32 and
-with int8 linear layers) and by its `mtrain export` to CTranslate2 in float32 and int8 (beam 5,
+With --checkpoint, a real trained model instead: test2016 translated by mtrain (beam 5, float32,
+with int8 linear layers, and with bfloat16 weights where native) and by its `mtrain export` to CTranslate2 in float32 and int8 (beam 5,
 CTranslate2's own search and length penalty), all through mtrain's text handling; sentences/s, cased
 sacreBLEU and the share of lines identical to mtrain float32's, same run.
 
@@ -275,6 +275,9 @@ def real_model(checkpoint: Path, n: int, threads: int, emit) -> dict:
     systems = {"mtrain_beam5": model}
     systems["mtrain_int8_beam5"] = load_for_decoding(checkpoint, torch.device("cpu"),
                                                      dataclasses.replace(decode, quantize="int8"))[0]
+    if cpu_has_native_bf16():
+        systems["mtrain_bf16_beam5"] = load_for_decoding(checkpoint, torch.device("cpu"),
+                                                         dataclasses.replace(decode, amp="bf16"))[0]
     with tempfile.TemporaryDirectory() as tmp:
         for name, quantization in (("ct2_float32_beam5", None), ("ct2_int8_beam5", "int8")):
             export_checkpoint(checkpoint, "ctranslate2", Path(tmp) / name, quantization)
@@ -294,7 +297,7 @@ def real_model(checkpoint: Path, n: int, threads: int, emit) -> dict:
         results[f"{name}_sent_s"] = round(len(sources) / seconds[name], 2)
         results[f"{name}_bleu"] = round(bleu, 2)
         emit(f"{name:<20} {len(sources) / seconds[name]:9.1f} sent/s   BLEU {bleu:6.2f}  ({seconds[name]:.1f} s)")
-    for name in ("mtrain_int8_beam5", "ct2_float32_beam5", "ct2_int8_beam5"):
+    for name in [name for name in systems if name != "mtrain_beam5"]:
         results[f"{name}_vs_mtrain"] = round(results[f"{name}_sent_s"] / results["mtrain_beam5_sent_s"], 3)
         same = sum(a == b for a, b in zip(outputs[name], outputs["mtrain_beam5"])) / len(sources)
         results[f"{name}_same_lines"] = round(same, 4)  # share of lines identical to mtrain float32's
