@@ -109,17 +109,24 @@ def test_topk_step_matches_brute_force():
         assert list(zip(parent[b].tolist(), token[b].tolist())) == [(k, v) for _, k, v in every[:3]]
 
 
-@pytest.mark.parametrize("vocab", [8000, 8001, 8063, 700, 30])
-def test_topk_rows_equals_topk(vocab):
-    # Chunked top-k against torch.topk: full chunks, a ragged last chunk, one-chunk-per-k and
-    # plain-fallback sizes; rows with one finite value (EOS only), ties of -inf, and a maximum in
-    # the ragged tail.
+def awkward_rows(vocab: int) -> torch.Tensor:
+    """(40, vocab) random logits with a row of -inf but one value, a maximum in the last column and
+    a row of one value tied everywhere."""
     torch.manual_seed(vocab)
     x = torch.randn(40, vocab)
     x[1] = float("-inf")
     x[1, 3] = 0.5
     x[2, -1] = 100.0
     x[3, :] = x[3, 0]  # every value tied: any k columns are right, values must match
+    return x
+
+
+@pytest.mark.parametrize("vocab", [8000, 8001, 8063, 700, 30])
+def test_topk_rows_equals_topk(vocab):
+    # Chunked top-k against torch.topk: full chunks, a ragged last chunk, one-chunk-per-k and
+    # plain-fallback sizes; rows with one finite value (EOS only), ties of -inf, and a maximum in
+    # the ragged tail.
+    x = awkward_rows(vocab)
     for k in (1, 6, 10):
         values, cols = topk_rows(x, k)
         ref_values, ref_cols = x.topk(k, dim=1)
@@ -134,12 +141,7 @@ def test_topk_rows_equals_topk(vocab):
 def test_argmax_rows_equals_argmax(vocab):
     # The first of equal maxima, as torch.argmax: ties within a chunk and across chunks, rows of -inf
     # but one value, a maximum in the last column; ragged and small vocabularies fall back to torch.
-    torch.manual_seed(vocab)
-    x = torch.randn(40, vocab)
-    x[1] = float("-inf")
-    x[1, 3] = 0.5
-    x[2, -1] = 100.0
-    x[3, :] = x[3, 0]
+    x = awkward_rows(vocab)
     x[4, [5, 6, 300 % vocab]] = 50.0
     x[5] = torch.randint(0, 3, (vocab,)).float()
     assert torch.equal(argmax_rows(x), x.argmax(dim=1))

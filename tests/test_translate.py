@@ -194,18 +194,24 @@ def test_cli_bad_arguments_fail_in_one_line(checkpoint, args, needle):
     assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+def beam3_lines(checkpoint, setting: str, lines: list[str]) -> list[str]:
+    """`mtrain translate --beam 3 --set SETTING` of lines: one line out per line in (checked), empty
+    lines staying empty."""
+    result = run("--checkpoint", checkpoint, "--beam", "3", "--device", "cpu", "--set", setting,
+                 input="\n".join(lines) + "\n")
+    assert result.exit_code == 0, result.output
+    written = result.stdout.split("\n")
+    assert len(written) - 1 == len(lines) and written[-1] == ""
+    assert all(out == "" for line, out in zip(lines, written) if not line)
+    return written[:-1]
+
+
 def test_cli_int8_decoding_is_line_aligned_and_deterministic(checkpoint, tmp_path):
     # decode.quantize=int8 goes through the same text handling: one line out per line in, empty lines
     # stay empty, and the same input gives the same output on a second run.
     lines = REAL + ["", REAL[1]]
-    first = run("--checkpoint", checkpoint, "--beam", "3", "--device", "cpu", "--set", "decode.quantize=int8",
-                input="\n".join(lines) + "\n")
-    assert first.exit_code == 0, first.output
-    written = first.stdout.split("\n")
-    assert len(written) - 1 == len(lines) and written[4] == ""
-    again = run("--checkpoint", checkpoint, "--beam", "3", "--device", "cpu", "--set", "decode.quantize=int8",
-                input="\n".join(lines) + "\n")
-    assert again.stdout == first.stdout
+    first = beam3_lines(checkpoint, "decode.quantize=int8", lines)
+    assert beam3_lines(checkpoint, "decode.quantize=int8", lines) == first
 
 
 def test_cli_bf16_decoding_is_line_aligned_and_matches_a_bf16_copy(checkpoint, monkeypatch):
@@ -217,15 +223,11 @@ def test_cli_bf16_decoding_is_line_aligned_and_matches_a_bf16_copy(checkpoint, m
 
     monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: True)
     lines = REAL + ["", REAL[1]]
-    result = run("--checkpoint", checkpoint, "--beam", "3", "--device", "cpu", "--set", "decode.amp=bf16",
-                 input="\n".join(lines) + "\n")
-    assert result.exit_code == 0, result.output
-    written = result.stdout.split("\n")
-    assert len(written) - 1 == len(lines) and written[4] == ""
+    written = beam3_lines(checkpoint, "decode.amp=bf16", lines)
     model, tokenizer, ckpt = load_model(checkpoint)
     expected = translate_lines(bfloat16_weights(model), tokenizer, lines, DecodeConfig(beam=3), "cpu",
                                ckpt.get("stats") or None)
-    assert written[:-1] == expected
+    assert written == expected
 
 
 @pytest.mark.parametrize("setting, needle", [("decode.quantize=int4", "decode.quantize"),
