@@ -112,7 +112,45 @@ def bfloat16_weights(model):
         return model
     model.to(torch.bfloat16)
     model.pe = model.pe.float()
+    if model.pe.device.type == "cpu" and _has_onednn_linear():
+        _onednn_linears(model)
     return model
+
+
+class OneDNNLinear(nn.Linear):
+    """nn.Linear through oneDNN's linear with a fused activation (torch.ops.mkldnn._linear_pointwise,
+    the kernel torch.compile's CPU backend emits), for a bfloat16 decoding copy on a CPU. On the
+    2-core AMX host, at decoding's shapes, it took 78 us where F.linear took 121 (273 x 256 x 1024),
+    2.17 ms against 3.04 (1365 x 256 x 8000), with the same result; with the FFN's ReLU fused in,
+    0.36 ms where linear and a separate bfloat16 ReLU took 2.2 (1365 x 256 x 1024). Inference only:
+    with gradients on, it is an nn.Linear (and its activation)."""
+
+    activation = "none"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            y = super().forward(x)
+            return torch.relu(y) if self.activation == "relu" else y
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, self.activation, [], "")
+
+
+def _has_onednn_linear() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _onednn_linears(model: nn.Module) -> None:
+    """Every nn.Linear of `model` becomes a OneDNNLinear in place (same parameters, so the tied output
+    projection stays tied); each FFN's ReLU moves into its first layer."""
+    from mtrain.model import FeedForward
+
+    for module in list(model.modules()):
+        if isinstance(module, FeedForward) and isinstance(module[1], nn.ReLU):
+            module[0].__class__ = OneDNNLinear
+            module[0].activation = "relu"
+            module[1] = nn.Identity()
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = OneDNNLinear
 
 
 def weights_dtype(model) -> torch.dtype | None:

@@ -107,3 +107,32 @@ def test_bfloat16_logits_stay_close_to_float32():
     got = quantize.bfloat16_weights(model())(src, tgt)
     assert got.dtype == torch.bfloat16
     assert (got.float() - reference).abs().max() <= 0.05 * reference.abs().max()
+
+
+@pytest.mark.skipif(not quantize._has_onednn_linear(), reason="this PyTorch has no oneDNN linear")
+def test_a_bfloat16_copy_runs_its_linear_layers_through_onednn_with_the_relu_fused():
+    """Every linear layer of the bfloat16 copy is a OneDNNLinear on the same parameters (the output
+    projection stays tied to the embeddings), each FFN's ReLU is its first layer's, and the logits
+    are those of the same bfloat16 weights through nn.Linear and nn.ReLU, with and without gradients."""
+    from mtrain.model import FeedForward
+
+    fast = quantize.bfloat16_weights(model())
+    assert all(type(m) is quantize.OneDNNLinear for m in fast.modules() if isinstance(m, nn.Linear))
+    assert fast.proj.weight is fast.tgt_embed.weight
+    ffns = [m for m in fast.modules() if isinstance(m, FeedForward)]
+    assert ffns and all(m[0].activation == "relu" and isinstance(m[1], nn.Identity) for m in ffns)
+    plain = model().to(torch.bfloat16)
+    plain.pe = plain.pe.float()
+    torch.manual_seed(1)
+    src, tgt = torch.randint(4, CFG.vocab_size, (8, 12)), torch.randint(4, CFG.vocab_size, (8, 9))
+    with torch.inference_mode():
+        reference = plain(src, tgt).float()
+        got = fast(src, tgt).float()
+    assert (got - reference).abs().max() <= 0.01 * reference.abs().max()
+    assert (fast(src, tgt).float() - reference).abs().max() <= 0.01 * reference.abs().max()  # gradients on
+
+
+def test_without_onednn_the_bfloat16_copy_keeps_plain_linear_layers(monkeypatch):
+    monkeypatch.setattr(quantize, "_has_onednn_linear", lambda: False)
+    bf16 = quantize.bfloat16_weights(model())
+    assert linears(bf16) == linears(model()) and not any(isinstance(m, quantize.OneDNNLinear) for m in bf16.modules())
