@@ -135,7 +135,14 @@ class OneDNNLinear(nn.Linear):
 
 
 def _has_onednn_linear() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    """Whether oneDNN's bfloat16 linear runs here: its kernels refuse CPUs without AVX-512 (or
+    AVX-NE-CONVERT), where nn.Linear's own bfloat16 path stays."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _onednn_linears(model: nn.Module) -> None:
