@@ -187,8 +187,7 @@ def save_marian_for_ct2(model, tokenizer: Tokenizer, folder: Path) -> Path:
     return out
 
 
-def run_ct2(translator, src: torch.Tensor | list[list[int]], steps: int, names: list[str], beam: int) -> None:
-    rows = src.tolist() if isinstance(src, torch.Tensor) else src
+def run_ct2(translator, rows: list[list[int]], steps: int, names: list[str], beam: int) -> None:
     tokens_in = [[names[i] for i in row if i != PAD_ID] for row in rows]  # ends with </s>
     out = translator.translate_batch(tokens_in, beam_size=beam, min_decoding_length=steps,
                                      max_decoding_length=steps, length_penalty=0.6, max_batch_size=0)

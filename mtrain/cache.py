@@ -49,8 +49,9 @@ class LayerCache:
         """Write (rows, H, t, d_head) k and v after the filled positions (applying a pending row
         reorder first); return views of every position so far."""
         start, end = self.filled, self.filled + k.size(2)
-        if self.self_k is None or self.order is not None or self.self_k.size(2) < end:
-            capacity = max(32, 2 * end) if self.self_k is None or self.self_k.size(2) < end else self.self_k.size(2)
+        grow = self.self_k is None or self.self_k.size(2) < end
+        if grow or self.order is not None:
+            capacity = max(32, 2 * end) if grow else self.self_k.size(2)
             self.self_k = _regrow(self.self_k, k, capacity, start, self.order)
             self.self_v = _regrow(self.self_v, v, capacity, start, self.order)
             self.order = None
@@ -88,13 +89,9 @@ class BeamLayerCache(LayerCache):
 
     def self_attention(self, q: Tensor, k: Tensor, v: Tensor,
                        mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-        keys, values = self.store(self.fold(k), self.fold(v))
+        # This step's (B / G, H, G, d_head) keys and values take the next G slots: s * G + g.
+        keys, values = self.append(self.fold(k), self.fold(v))
         return self.fold(q), keys, values, self.beam_mask
-
-    def store(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Put this step's (B / G, H, G, d_head) keys/values in their slots (the next G
-        positions: slot s * G + g); return every step's."""
-        return self.append(k, v)
 
     def reorder(self, index: Tensor, source: Tensor | None) -> None:
         """Self-attention K/V stay in their slots (BeamCache moves the ancestry); only dropping
@@ -179,7 +176,7 @@ class KVCache:
             new.cross_k, new.cross_v = old.cross_k, old.cross_v
             # (sources, H, 1, d_head) broadcast to step 0's slots of all G beams
             k, v = old.self_k[:, :, :1], old.self_v[:, :, :1]
-            new.store(k.expand(-1, -1, group, -1), v.expand(-1, -1, group, -1))
+            new.append(k.expand(-1, -1, group, -1), v.expand(-1, -1, group, -1))
         out.record_step(old.self_k.shape[0] * group, old.self_k.device)  # each beam its own step-0 ancestor
         out.length = 1
         return out
