@@ -18,8 +18,6 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from mtrain.kernels import attend, attend_bfloat16
-
 
 class LayerCache:
     """One decoder layer's K/V. Self-attention ones sit in (B, H, capacity, d_head) buffers whose
@@ -36,15 +34,6 @@ class LayerCache:
         # A row reorder of self_k/self_v not applied yet: the next append applies it while it
         # copies into a new buffer (rows only change when search drops finished sentences).
         self.order: Tensor | None = None
-        self.dtype: torch.dtype | None = None  # the dtype keys and values come in (the model's)
-
-    def kept_dtype(self, x: Tensor) -> torch.dtype:
-        """The dtype this layout keeps keys and values like x in (see stored_dtype)."""
-        return stored_dtype(x)
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool = False) -> Tensor:
-        """Attention over what self_attention / cross_attention returned (inference: no dropout)."""
-        return attend(q, k, v, mask, 0.0, is_causal)
 
     def fold(self, x: Tensor) -> Tensor:
         """(B, H, t, d_head) per-row heads -> the layout attention runs in (here: unchanged)."""
@@ -63,9 +52,8 @@ class LayerCache:
         grow = self.self_k is None or self.self_k.size(2) < end
         if grow or self.order is not None:
             capacity = max(32, 2 * end) if grow else self.self_k.size(2)
-            self.dtype, dtype = k.dtype, self.kept_dtype(k)
-            self.self_k = _regrow(self.self_k, k, capacity, start, self.order, dtype)
-            self.self_v = _regrow(self.self_v, v, capacity, start, self.order, dtype)
+            self.self_k = _regrow(self.self_k, k, capacity, start, self.order)
+            self.self_v = _regrow(self.self_v, v, capacity, start, self.order)
             self.order = None
         self.self_k[:, :, start:end] = k
         self.self_v[:, :, start:end] = v
@@ -76,15 +64,8 @@ class LayerCache:
                         memory_kv: Callable[[Tensor], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
         """(queries, keys, values) over the source; memory_kv runs on the first call only."""
         if self.cross_k is None:
-            k, v = memory_kv(memory)
-            self.dtype = k.dtype
-            self.cross_k, self.cross_v = self.keep(k), self.keep(v)
+            self.cross_k, self.cross_v = map(stored, memory_kv(memory))
         return self.fold(q), self.cross_k, self.cross_v
-
-    def keep(self, x: Tensor) -> Tensor:
-        """x in kept_dtype, contiguous: the cross-attention K/V come as views of one fused projection,
-        which every step's matmul would otherwise copy."""
-        return x.to(dtype=self.kept_dtype(x), memory_format=torch.contiguous_format)
 
     def reorder(self, index: Tensor, source: Tensor | None) -> None:
         """Target row i becomes old row index[i]; source rows follow `source` when given."""
@@ -101,20 +82,6 @@ class BeamLayerCache(LayerCache):
         super().__init__()
         self.group = group
         self.beam_mask: Tensor | None = None  # (B / G, 1, G, G * steps)
-
-    def kept_dtype(self, x: Tensor) -> torch.dtype:
-        """The dtype keys and values come in: a bfloat16 model's stay bfloat16 on a CPU too, for
-        attend_bfloat16 (see attend)."""
-        return x.dtype
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool = False) -> Tensor:
-        """A source's G beams query its keys together (fold); a bfloat16 model's on a CPU through
-        kernels.attend_bfloat16, where PyTorch's attention kernel spends most of its time per (row,
-        head) pair rather than on the arithmetic (bfloat16 beam 5, 315 sources x 4 heads, 5 queries
-        over 13 source keys: 1.2-1.7 ms in float32 against 0.87 ms, 2-core AMX host)."""
-        if k.device.type == "cpu" and k.dtype == torch.bfloat16 and not is_causal:
-            return attend_bfloat16(q, k, v, mask)
-        return super().attend(q, k, v, mask, is_causal)
 
     def fold(self, x: Tensor) -> Tensor:
         """(B, H, 1, d_head) -> (B / G, H, G, d_head): one source's G beams side by side (a view)."""
@@ -137,21 +104,25 @@ class BeamLayerCache(LayerCache):
 
 
 def stored_dtype(x: Tensor) -> torch.dtype:
-    """The dtype the plain layout (one target row per source: greedy search) keeps keys and values
-    in: float32 for bfloat16 on a CPU, where its attention runs in float32 anyway
-    (mtrain.kernels.attend), so each key is upcast once, when it is stored, rather than at every
-    later step that reads it (in a bfloat16 beam-5 profile those upcasts were a quarter of the
-    time); the dtype they come in elsewhere. (A matmul attention over the cache in place was slower
-    than PyTorch's kernel on these float32 caches: greedy 936 against 1072, beam 5 300 against 311
-    sentences/s, bfloat16 model, 2-core AMX host.)"""
+    """The dtype keys and values are kept in: float32 for bfloat16 on a CPU, where attention runs
+    in float32 anyway (mtrain.model.attend), so each key is upcast once, when it is stored, rather
+    than at every later step that reads it (in a bfloat16 beam-5 profile those upcasts were a
+    quarter of the time); the dtype they come in elsewhere. (A matmul attention over the cache in
+    place was slower than PyTorch's kernel on these float32 caches: greedy 936 against 1072,
+    beam 5 300 against 311 sentences/s, bfloat16 model, 2-core AMX host.)"""
     return torch.float32 if x.device.type == "cpu" and x.dtype == torch.bfloat16 else x.dtype
 
 
-def _regrow(old: Tensor | None, like: Tensor, capacity: int, filled: int, order: Tensor | None,
-            dtype: torch.dtype) -> Tensor:
-    """A (rows, H, capacity, d_head) buffer of `dtype` holding the first `filled` positions of old, its
-    rows in `order` when given (index_select writes straight into the new buffer)."""
-    out = like.new_empty(like.shape[0], like.shape[1], capacity, like.shape[3], dtype=dtype)
+def stored(x: Tensor) -> Tensor:
+    """x in stored_dtype, contiguous: the cross-attention K/V come as views of one fused projection,
+    which every step's matmul would otherwise copy."""
+    return x.to(dtype=stored_dtype(x), memory_format=torch.contiguous_format)
+
+
+def _regrow(old: Tensor | None, like: Tensor, capacity: int, filled: int, order: Tensor | None) -> Tensor:
+    """A (rows, H, capacity, d_head) buffer holding the first `filled` positions of old, its rows
+    in `order` when given (index_select writes straight into the new buffer)."""
+    out = like.new_empty(like.shape[0], like.shape[1], capacity, like.shape[3], dtype=stored_dtype(like))
     if old is not None and filled:
         if order is None:
             out[:, :, :filled] = old[:, :, :filled]
@@ -202,10 +173,9 @@ class KVCache:
         out = BeamCache(len(self.layers), group)
         out.src_mask = self.src_mask
         for old, new in zip(self.layers, out.layers):
-            # The beam layout keeps the model's dtype: back to it, exactly, where the plain one upcast.
-            new.cross_k, new.cross_v = old.cross_k.to(old.dtype), old.cross_v.to(old.dtype)
+            new.cross_k, new.cross_v = old.cross_k, old.cross_v
             # (sources, H, 1, d_head) broadcast to step 0's slots of all G beams
-            k, v = (x[:, :, :1].to(old.dtype) for x in (old.self_k, old.self_v))
+            k, v = old.self_k[:, :, :1], old.self_v[:, :, :1]
             new.append(k.expand(-1, -1, group, -1), v.expand(-1, -1, group, -1))
         out.record_step(old.self_k.shape[0] * group, old.self_k.device)  # each beam its own step-0 ancestor
         out.length = 1

@@ -5,7 +5,6 @@ would (the dropout mask in distribution) and falls back to it where torch is fas
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 NEG_INF = float("-inf")
@@ -105,30 +104,3 @@ def argmax_rows(x: Tensor, chunk: int = 64) -> Tensor:
         return x.argmax(dim=1)
     cols = maxima.argmax(dim=1, keepdim=True) * chunk + torch.arange(chunk, device=x.device)  # (N, chunk)
     return cols.gather(1, x.gather(1, cols).argmax(dim=1, keepdim=True)).squeeze(1)
-
-
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,
-           is_causal: bool = False) -> Tensor:
-    """softmax(q k^T / sqrt(d_head)) v per head. Under bfloat16 autocast on a CPU, q, k and v go
-    to float32 first: PyTorch's CPU attention kernels run ~6x slower in bfloat16 than in float32
-    (forward + backward, measured at Multi30k shapes), while their matmuls are tiny (d_head 64,
-    ~15 positions), so the float32 copies cost less than they save. The result goes back to q's
-    dtype, as autocast would cast it for the next projection (and a bfloat16 decoding copy needs)."""
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
-        with torch.autocast("cpu", enabled=False):  # autocast would cast them back to bfloat16
-            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
-                                                  dropout_p=dropout_p, is_causal=is_causal).to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
-
-
-def attend_bfloat16(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """Inference attention of bfloat16 q, k, v (.., G, d_head) over (.., T, d_head) on a CPU, with
-    bfloat16 matmuls and a float32 softmax; the result is bfloat16. For beam search, where each
-    source's G beams query the same keys together: at those shapes PyTorch's CPU attention kernel
-    costs about 1.5x this in float32 (and more in bfloat16), and float32 keys would double the bytes
-    every step reads. The scores are rounded to bfloat16 once, as every other activation of a
-    bfloat16 model is."""
-    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(q.size(-1) ** -0.5)
-    if mask is not None:
-        scores.masked_fill_(~mask, NEG_INF)
-    return torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)

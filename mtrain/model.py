@@ -7,12 +7,13 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mtrain.cache import BeamCache, KVCache, LayerCache
 from mtrain.config import ModelConfig
 from mtrain.errors import MtrainError
-from mtrain.kernels import Dropout, attend
+from mtrain.kernels import Dropout
 
 
 def sinusoids(length: int, d_model: int) -> Tensor:
@@ -38,6 +39,20 @@ def key_mask(ids: Tensor, pad_id: int) -> Tensor:
     return keep[:, None, None, :]
 
 
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,
+           is_causal: bool = False) -> Tensor:
+    """softmax(q k^T / sqrt(d_head)) v per head. Under bfloat16 autocast on a CPU, q, k and v go
+    to float32 first: PyTorch's CPU attention kernels run ~6x slower in bfloat16 than in float32
+    (forward + backward, measured at Multi30k shapes), while their matmuls are tiny (d_head 64,
+    ~15 positions), so the float32 copies cost less than they save. The result goes back to q's
+    dtype, as autocast would cast it for the next projection (and a bfloat16 decoding copy needs)."""
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        with torch.autocast("cpu", enabled=False):  # autocast would cast them back to bfloat16
+            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                                  dropout_p=dropout_p, is_causal=is_causal).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+
+
 class SelfAttention(nn.Module):
     """Multi-head self-attention with one fused Q/K/V projection (one matmul instead of three)."""
 
@@ -55,9 +70,8 @@ class SelfAttention(nn.Module):
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
         if cache is not None:
             q, k, v, mask = cache.self_attention(q, k, v, mask)
-            y = cache.attend(q, k, v, mask, is_causal)  # (B', H, T', d_head): a cache may fold rows
-        else:
-            y = attend(q, k, v, mask, self.attention_dropout if self.training else 0.0, is_causal)
+        p = self.attention_dropout if self.training else 0.0
+        y = attend(q, k, v, mask, p, is_causal)  # (B', H, T', d_head): a cache may fold rows
         return self.out(y.transpose(1, 2).reshape(B, T, D))  # concat heads: (B, T, D)
 
 
@@ -82,10 +96,10 @@ class CrossAttention(nn.Module):
         q = self.q(x).view(B, T, self.n_heads, D // self.n_heads).transpose(1, 2)  # (B, H, T, d_head)
         if cache is None:
             k, v = self.memory_kv(memory)
-            y = attend(q, k, v, mask, self.attention_dropout if self.training else 0.0)
         else:  # K/V computed on the first cached call, then reused for every step of the sentence
             q, k, v = cache.cross_attention(q, memory, self.memory_kv)
-            y = cache.attend(q, k, v, mask)
+        p = self.attention_dropout if self.training else 0.0
+        y = attend(q, k, v, mask, p)
         return self.out(y.transpose(1, 2).reshape(B, T, D))
 
 

@@ -103,9 +103,8 @@ def bfloat16_weights(model):
     Decoding then multiplies bfloat16 by bfloat16 directly (AMX or AVX512-BF16 on a CPU) instead
     of under autocast, which casts every layer's input and output and, at decoding's small steps,
     cost a third of what bfloat16 saved. The residual stream and layer norms are bfloat16 too; the
-    sinusoid table stays float32, so each position's embedding is rounded once. On a CPU, greedy
-    search attends in float32 (kernels.attend) and beam search in bfloat16 with a float32 softmax
-    (kernels.attend_bfloat16); searches upcast the logits to float32 block by block."""
+    sinusoid table stays float32, so each position's embedding is rounded once. Attention runs
+    in float32 on a CPU (model.attend); searches upcast the logits to float32 block by block."""
     members = getattr(model, "models", None)
     if members is not None:  # mtrain.ensemble.Ensemble
         for member in members:

@@ -11,7 +11,7 @@ from torch import nn
 
 from mtrain.config import ModelConfig, load_config
 from mtrain.errors import MtrainError
-from mtrain.kernels import Dropout, attend_bfloat16
+from mtrain.kernels import Dropout
 from mtrain.model import Transformer, attend, key_mask, sinusoids
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -357,58 +357,6 @@ def test_bf16_attention_runs_in_float32_on_cpu():
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, expected.bfloat16())
     assert torch.equal(attend(q, k, v, mask, 0.0), expected.bfloat16())  # a bfloat16 model, no autocast
-
-
-def test_bfloat16_attention_masks_exactly_and_stays_close_to_float64():
-    """kernels.attend_bfloat16 (beam search of a bfloat16 model on a CPU): masked keys and values
-    change nothing, bit for bit; a query with one visible key returns that key's value exactly
-    (its weight is 1); otherwise the result is within bfloat16 rounding of float64 attention."""
-    gen = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(3, 2, 5, 16, generator=gen).bfloat16() for _ in range(3))
-    k = k[:, :, :4]
-    v = v[:, :, :4]
-    mask = torch.ones(3, 1, 5, 4, dtype=torch.bool)
-    mask[1, :, :, 2:] = False  # source 1: keys 2 and 3 are padding
-    mask[2, :, 3] = torch.tensor([False, True, False, False])  # beam 3 of source 2 sees key 1 only
-    got = attend_bfloat16(q, k, v, mask)
-    assert got.dtype == torch.bfloat16 and got.shape == q.shape
-    k2, v2 = k.clone(), v.clone()
-    k2[1, :, 2:], v2[1, :, 2:] = 100.0, -100.0
-    assert torch.equal(attend_bfloat16(q, k2, v2, mask), got)
-    assert torch.equal(got[2, :, 3], v[2, :, 1])
-    weights = (q.double() @ k.double().transpose(-1, -2) / 4.0).masked_fill(~mask, float("-inf")).softmax(-1)
-    torch.testing.assert_close(got.double(), weights @ v.double(), atol=0.03, rtol=0.02)
-
-
-def test_beam_cache_of_a_bfloat16_model_keeps_bfloat16_and_matches_its_full_forward():
-    """Beam search's layout keeps a bfloat16 model's keys and values in bfloat16 (the plain one
-    upcasts them) and attends with attend_bfloat16; after expand_beams and a beam move, each row's
-    logits stay within bfloat16 rounding of the uncached forward of its own prefix in float32."""
-    from mtrain.quantize import bfloat16_weights
-
-    model = bfloat16_weights(tiny())
-    reference = tiny()  # float32, rounded to the same bfloat16 weights
-    reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
-    src, G = padded([6, 3], 6), 3
-    tgt = ids(6, 4, seed=12)
-    with torch.no_grad():
-        memory, cache = model.encode(src), model.new_cache()
-        model.decode(tgt[::G, :1], memory, src, cache)  # step 0: one row per source
-        assert cache.layers[0].cross_k.dtype == torch.float32  # the plain layout: float32 keys
-        cache = cache.expand_beams(G)
-        assert {layer.cross_k.dtype for layer in cache.layers} == {torch.bfloat16}
-        prefix = tgt[::G, :1].repeat_interleave(G, 0)  # every beam starts from its source's step 0
-        for step in range(1, 4):
-            if step == 2:
-                index = torch.tensor([2, 2, 0, 3, 5, 4])  # beams move within their source
-                cache.reorder(index, cross=False)
-                prefix = prefix[index]
-            new = tgt[:, step : step + 1]
-            prefix = torch.cat([prefix, new], 1)
-            got = model.decode(new, memory, src, cache)[:, -1]
-            assert cache.layers[0].self_k.dtype == torch.bfloat16
-            full = reference(src.repeat_interleave(G, 0), prefix)[:, -1]
-            torch.testing.assert_close(got.float(), full, atol=0.08, rtol=0)
 
 
 def test_bf16_cpu_dropout_scales_each_element_in_float32():
