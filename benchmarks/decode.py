@@ -257,7 +257,8 @@ def timed(systems: dict, batches) -> dict[str, float]:
 
 
 def real_model(checkpoint: Path, n: int, threads: int, emit) -> dict:
-    """mtrain beam 5 vs its CTranslate2 exports (float32, int8) on test2016 of the checkpoint's data."""
+    """mtrain beam 5 (float32, int8, and bfloat16 where native) vs its CTranslate2 exports (float32, int8)
+    on test2016 of the checkpoint's data."""
     import sacrebleu
 
     from mtrain.checkpoint import load_model
