@@ -34,6 +34,7 @@ from mtrain.data import target_tokens
 from mtrain.errors import MtrainError
 from mtrain.hardware import amp_note, precision_name, resolve_device
 from mtrain.lock import RunLock
+from mtrain.memory import release_free_memory
 from mtrain.plot import MetricsLog, plot_metrics
 from mtrain.resume import empty_window
 from mtrain.schedule import cooldown_patience_note
@@ -280,6 +281,8 @@ class Run:
                     self.plot()  # before last.pt, like every write
                 if step % t.save_every == 0 or interrupted:
                     self.save_last(with_step_file=step % t.save_every == 0)
+                if step % t.eval_every == 0 or step % t.save_every == 0:
+                    release_free_memory()  # what validation and saving freed, and the steps' holes since
                 if interrupted:
                     return "interrupted"
         finally:

@@ -34,12 +34,38 @@ def both(states, weight, target, eps, fused: bool, autocast: bool = False):
 
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 @pytest.mark.parametrize("chunk_bytes", [4 * 13 * 3, 1 << 21], ids=["3-row-chunks", "one-chunk"])
-def test_fused_projection_and_loss_equal_the_plain_ones(monkeypatch, eps, chunk_bytes):
+@pytest.mark.parametrize("row_multiple", [1, 7, 64], ids=["unpadded", "pad-to-21", "pad-to-64"])
+def test_fused_projection_and_loss_equal_the_plain_ones(monkeypatch, eps, chunk_bytes, row_multiple):
     monkeypatch.setattr(loss_module, "CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(loss_module, "ROW_MULTIPLE", row_multiple)
     states, weight, target = problem(n=20, d=6, vocab=13)  # 20 rows: 3-row chunks leave a ragged last one
     fused, plain = both(states, weight, target, eps, True), both(states, weight, target, eps, False)
     for a, b in zip(fused, plain):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_projection_matmuls_see_row_counts_rounded_up():
+    """Every matmul of the fused loss, forward and backward, has a multiple of ROW_MULTIPLE rows in
+    the token dimension, whatever the token count: so a run meets a bounded set of shapes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class MatmulShapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                self.shapes.append((tuple(args[-2].shape), tuple(args[-1].shape)))
+            return func(*args, **(kwargs or {}))
+
+    for n in (1, 63, 64, 65, 130):
+        states, weight, target = problem(n=n, d=8, vocab=11, dtype=torch.float32)
+        with MatmulShapes() as mode:
+            both(states, weight, target, 0.1, True)
+        tokens = -(-n // loss_module.ROW_MULTIPLE) * loss_module.ROW_MULTIPLE
+        # forward h @ W.T, backward grad @ W and grad.T @ h: the token dimension is outer, outer, inner
+        assert mode.shapes == [((tokens, 8), (8, 11)), ((tokens, 11), (11, 8)), ((11, tokens), (tokens, 8))], n
 
 
 def test_fused_gradient_matches_finite_differences(monkeypatch):

@@ -217,6 +217,17 @@ def test_keep_every_spares_step_files_on_its_grid(copy_data, tmp_path):
     assert steps == [3, 6, 7]
 
 
+def test_free_memory_is_released_after_each_validation_or_save(copy_data, tmp_path, monkeypatch):
+    import mtrain.train as train_module
+
+    released: list[int] = []
+    monkeypatch.setattr(train_module, "release_free_memory", lambda: released.append(step_now()) or True)
+    step_now = lambda: json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["step"]  # noqa: E731
+    run(copy_data, tmp_path, "train.max_steps=9", "train.eval_every=4", "train.save_every=3", "train.log_every=1",
+        "train.lr_scale=0")
+    assert released == [3, 4, 6, 8, 9]  # validations at 4, 8 and 9 (the last), saves at 3, 6 and 9
+
+
 def test_kill_during_finish_resumes_into_finish(copy_data, tmp_path):
     """last.pt written at the final step, then a kill before averaging: the re-run finishes the job."""
     args = ["train.max_steps=4", "train.save_every=2", "train.eval_every=2", "train.average_last=2"]
