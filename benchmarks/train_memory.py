@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import ctypes
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -27,6 +28,9 @@ from mtrain.hardware import cpu_has_native_bf16, machine_record
 from mtrain.loss import Objective
 from mtrain.model import Transformer
 
+from data_scale import proc_status  # the sibling benchmarks (this script's folder is on sys.path)
+from train_step import mtrain_optimizer
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -37,8 +41,7 @@ class _MallInfo2(ctypes.Structure):
 
 def memory_mb() -> dict[str, int]:
     """Resident set, and glibc's heap (all arenas): in use, and free but mapped; in MB."""
-    with open("/proc/self/status", encoding="ascii") as status:
-        rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) // 1024
+    rss = proc_status(os.getpid())["VmRSS"] // 1024
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = _MallInfo2
     info = libc.mallinfo2()
@@ -50,19 +53,6 @@ def default_data() -> Path:
     if not found:
         sys.exit("no tokenized folder under data/; run `mtrain tokenize` first or pass --data")
     return found[0]
-
-
-def new_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
-    """The Adam `mtrain train` makes; the default one for an older checkout without that function."""
-    try:
-        from mtrain.trainer import new_optimizer as mtrain_optimizer
-    except ImportError:
-        return torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
-    settings = argparse.Namespace(adam_beta1=0.9, adam_beta2=0.98, adam_eps=1e-9, weight_decay=0.0)
-    optimizer = mtrain_optimizer(model, settings, torch.device("cpu"))
-    for group in optimizer.param_groups:
-        group["lr"] = 1e-4
-    return optimizer
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -84,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(1)
     model = Transformer(cfg).train()
     objective = Objective(model, 0.1)
-    optimizer = new_optimizer(model)
+    optimizer = mtrain_optimizer(model)  # the Adam `mtrain train` makes (the default one for an older checkout)
     bf16 = cpu_has_native_bf16() and not args.fp32
     precision = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
     rows = [{"epoch": 0, **memory_mb()}]
