@@ -9,17 +9,24 @@ actually run (see train_flops), so "of peak" is the hardware efficiency. Why it 
 the 2048^3 matmul peak on a CPU: this model's matmuls are skinny (inner size 256), which BLAS runs
 at roughly half its square-matrix rate; and about half of a step is not matmuls: dropout masks
 (random number generation), log-softmax over N x vocab, attention over ~15-token sequences,
-LayerNorm, bias and embedding gradients, Adam. On a shared machine, other processes add noise:
-the models take turns batch by batch so it falls on all of them alike.
+LayerNorm, bias and embedding gradients, Adam.
+
+Each model trains in a process of its own, one round at a time, the models taking turns round by
+round, so load from other processes on a shared machine falls on all of them alike. Sharing one
+process biased the comparison: on the 2-core AMX host `nn.Transformer`, taking turns batch by batch
+with mtrain, took 1.32-2.46 s for batches it takes in 1.26-1.38 s alone, while mtrain stayed within
+6 % of its own speed alone. `--together` keeps the one-process, batch-by-batch order.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import math
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -325,6 +332,37 @@ def padding_fraction(batches: list[Batch]) -> float:
     return 1 - sum(int((b[0] != PAD).sum() + (b[2] != PAD).sum()) for b in batches) / cells
 
 
+def build_steps(names: list[str], cfg: ModelConfig, args: argparse.Namespace, bucketed: list[Batch],
+                unbucketed: list[Batch]) -> dict[str, tuple[Callable, nn.Module, list[Batch]]]:
+    """The named models' (loss function, model, batches), built in the order given."""
+    makers = {"mtrain": lambda: (*mtrain_step_fn(cfg, args.compile), bucketed),
+              "mtrain bf16": lambda: (*mtrain_step_fn(cfg, args.compile), bucketed),
+              "nn.Transformer": lambda: (*nn_step_fn(cfg), bucketed),
+              "nn.Transformer unbucketed": lambda: (*nn_step_fn(cfg), unbucketed),
+              "HF Marian": lambda: (*marian_step_fn(cfg), bucketed)}
+    return {name: makers[name]() for name in names}
+
+
+def time_in_processes(names: list[str], argv: list[str], rounds: int, log: Callable) -> dict[str, np.ndarray]:
+    """Seconds of each step, (rounds, batches) per model, each model timed in a fresh process of its
+    own (this script with --only), one round per process, the models taking turns round by round."""
+    base = [a for a in argv if a != "--json"]
+    for flag in ("--rounds", "--only"):  # drop a flag and its value
+        while flag in base:
+            i = base.index(flag)
+            del base[i : i + 2]
+    seconds: dict[str, list] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names:
+            command = [sys.executable, str(Path(__file__).resolve()), *base, "--rounds", "1", "--only", name]
+            run = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            if run.returncode != 0:
+                sys.exit(f"{name} failed in its own process:\n{run.stderr[-2000:]}")
+            seconds[name].append(json.loads(run.stdout.strip().splitlines()[-1])["seconds"][0])
+            log(f"round {r + 1}/{rounds} {name}: {sum(seconds[name][-1]):.1f} s")
+    return {name: np.array(rows) for name, rows in seconds.items()}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="2 batches, 1 round (about two minutes)")
@@ -339,6 +377,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-hf", action="store_true", help="skip Hugging Face Marian even if installed")
     p.add_argument("--profile", action="store_true",
                    help="only mtrain (under bf16 autocast with --bf16): where a step's time goes, by part, with torch.profiler")
+    p.add_argument("--together", action="store_true",
+                   help="all models in this process, taking turns batch by batch (biased: see the module docstring)")
+    p.add_argument("--only", help=argparse.SUPPRESS)  # one model's seconds, as JSON: the child of a run
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--shape", choices=sorted(SHAPES), default="small",
                    help="small: the Multi30k recipe's model; base: the paper's base model with a 32k vocabulary")
@@ -360,21 +401,26 @@ def main(argv: list[str] | None = None) -> dict:
 
     if args.profile:
         return run_profile(cfg, bucketed, args, log)
-    peak_before = matmul_peak_gflops()
-    steps = {"mtrain": (*mtrain_step_fn(cfg, args.compile), bucketed),
-             "nn.Transformer": (*nn_step_fn(cfg), bucketed),
-             "nn.Transformer unbucketed": (*nn_step_fn(cfg), unbucketed)}
-    marian = None if args.no_hf else marian_step_fn(cfg)
-    if marian is not None:
-        steps["HF Marian"] = (*marian, bucketed)
     bf16_native = cpu_has_native_bf16()
     if args.bf16 and not bf16_native:  # emulated bf16 matmuls: minutes per step, and no number worth having
         log("--bf16 skipped: this CPU has no native bfloat16 (AMX or AVX512-BF16); mtrain trains in float32 here")
         args.bf16 = False
-    if args.bf16:
-        steps["mtrain bf16"] = (*mtrain_step_fn(cfg, args.compile), bucketed)
-    seconds = time_models(steps, args.rounds, warmup=2 if args.compile else 1,
-                          bf16=frozenset({"mtrain bf16"}))
+    names = ["mtrain", "nn.Transformer", "nn.Transformer unbucketed"]
+    names += [] if args.no_hf or importlib.util.find_spec("transformers") is None else ["HF Marian"]
+    names += ["mtrain bf16"] if args.bf16 else []
+    if args.only:  # a warm-up pass over every batch: timed steps meet shapes already seen, as in a long run
+        # (bfloat16 on a CPU compiles a oneDNN kernel for each new matmul shape; a fresh process has none)
+        seconds = time_models(build_steps([args.only], cfg, args, bucketed, unbucketed), args.rounds,
+                              warmup=len(bucketed), bf16=frozenset({"mtrain bf16"}))
+        print(json.dumps({"seconds": seconds[args.only].tolist()}))
+        return {}
+    peak_before = matmul_peak_gflops()
+    if args.together:
+        steps = build_steps(names, cfg, args, bucketed, unbucketed)
+        seconds = time_models(steps, args.rounds, warmup=2 if args.compile else 1, bf16=frozenset({"mtrain bf16"}))
+    else:
+        seconds = time_in_processes(names, argv if argv is not None else sys.argv[1:], args.rounds, log)
+    steps = {name: (None, None, unbucketed if name == "nn.Transformer unbucketed" else bucketed) for name in names}
     peak = max(peak_before, matmul_peak_gflops())
     bf16_peak = matmul_peak_gflops(dtype=torch.bfloat16) if args.bf16 else None
 
