@@ -432,3 +432,31 @@ def test_bfloat16_beam_one_equals_greedy():
         src, max_len = random_batch(seed)
         beams = beam_search(bf16, src, beam=1, lenpen=0.0, max_len=max_len)
         assert [hyps[0][0] for hyps in beams] == greedy_search(bf16, src, max_len)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_bfloat16_blocks_upcast_into_one_buffer_change_no_result(monkeypatch, rows):
+    """A bfloat16 model's logits are upcast block after block into one reused float32 buffer
+    (search.Float32Blocks); with several blocks per step every choice and score is still exactly what
+    one fresh float32 block of all rows gives (the upcast is exact)."""
+    from mtrain.quantize import bfloat16_weights
+
+    bf16 = bfloat16_weights(random_model(1))
+    monkeypatch.setattr(search, "BLOCK_BYTES", 4 * bf16.cfg.vocab_size * rows)
+    whole = DecodeOnly(bf16)
+    for seed in range(3):
+        src, max_len = random_batch(seed)
+        assert greedy_search(bf16, src, max_len) == greedy_search(whole, src, max_len)
+        got = beam_search(bf16, src, beam=3, lenpen=0.6, max_len=max_len, nbest=3, no_repeat_ngram=2)
+        want = beam_search(whole, src, beam=3, lenpen=0.6, max_len=max_len, nbest=3, no_repeat_ngram=2)
+        assert got == want
+
+
+def test_float32_blocks_reuse_one_buffer_and_pass_float32_through():
+    blocks = search.Float32Blocks()
+    first = blocks.upcast(torch.tensor([[1.5, -2.0], [3.0, 0.25]], dtype=torch.bfloat16))
+    assert first.dtype == torch.float32 and first.tolist() == [[1.5, -2.0], [3.0, 0.25]]
+    second = blocks.upcast(torch.tensor([[7.0, 8.0]], dtype=torch.bfloat16))  # a smaller block: same storage
+    assert second.tolist() == [[7.0, 8.0]] and second.data_ptr() == first.data_ptr()
+    already = torch.ones(2, 3)
+    assert blocks.upcast(already) is already
