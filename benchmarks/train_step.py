@@ -332,15 +332,20 @@ def padding_fraction(batches: list[Batch]) -> float:
     return 1 - sum(int((b[0] != PAD).sum() + (b[2] != PAD).sum()) for b in batches) / cells
 
 
+def model_batches(name: str, bucketed: list[Batch], unbucketed: list[Batch]) -> list[Batch]:
+    """The batches a named model trains on: length-bucketed, but for the unbucketed baseline."""
+    return unbucketed if name == "nn.Transformer unbucketed" else bucketed
+
+
 def build_steps(names: list[str], cfg: ModelConfig, args: argparse.Namespace, bucketed: list[Batch],
                 unbucketed: list[Batch]) -> dict[str, tuple[Callable, nn.Module, list[Batch]]]:
     """The named models' (loss function, model, batches), built in the order given."""
-    makers = {"mtrain": lambda: (*mtrain_step_fn(cfg, args.compile), bucketed),
-              "mtrain bf16": lambda: (*mtrain_step_fn(cfg, args.compile), bucketed),
-              "nn.Transformer": lambda: (*nn_step_fn(cfg), bucketed),
-              "nn.Transformer unbucketed": lambda: (*nn_step_fn(cfg), unbucketed),
-              "HF Marian": lambda: (*marian_step_fn(cfg), bucketed)}
-    return {name: makers[name]() for name in names}
+    makers = {"mtrain": lambda: mtrain_step_fn(cfg, args.compile),
+              "mtrain bf16": lambda: mtrain_step_fn(cfg, args.compile),
+              "nn.Transformer": lambda: nn_step_fn(cfg),
+              "nn.Transformer unbucketed": lambda: nn_step_fn(cfg),
+              "HF Marian": lambda: marian_step_fn(cfg)}
+    return {name: (*makers[name](), model_batches(name, bucketed, unbucketed)) for name in names}
 
 
 def time_in_processes(names: list[str], argv: list[str], rounds: int, log: Callable) -> dict[str, np.ndarray]:
@@ -420,12 +425,12 @@ def main(argv: list[str] | None = None) -> dict:
         seconds = time_models(steps, args.rounds, warmup=2 if args.compile else 1, bf16=frozenset({"mtrain bf16"}))
     else:
         seconds = time_in_processes(names, argv if argv is not None else sys.argv[1:], args.rounds, log)
-    steps = {name: (None, None, unbucketed if name == "nn.Transformer unbucketed" else bucketed) for name in names}
     peak = max(peak_before, matmul_peak_gflops())
     bf16_peak = matmul_peak_gflops(dtype=torch.bfloat16) if args.bf16 else None
 
     rows = {}
-    for name, (_, _, batches) in steps.items():
+    for name in names:
+        batches = model_batches(name, bucketed, unbucketed)
         tokens = args.rounds * sum(int((b[2] != PAD).sum()) for b in batches)
         flops = args.rounds * sum(train_flops(b, cfg, project_pads=not name.startswith("mtrain")) for b in batches)
         total, best = seconds[name].sum(), args.rounds * seconds[name].min(axis=0).sum()
