@@ -385,7 +385,7 @@ def beam_search(model: Decoder, src: Tensor, beam: int, lenpen: float, max_len: 
         else:  # K + 1 per beam hold the sentence's K best and its K best non-EOS (one EOS per beam)
             forced = rules.forced(active.repeat_interleave(K), t)
             top, ids = next_token_topk(model, tokens, memory, src, cache, forced, K + 1, rules.bans(history[:, :t]),
-                                       blocks)
+                                       blocks=blocks)
         values, parent, token = topk_step(scores, top.view(A, scores.size(1), -1), ids.view(A, scores.size(1), -1), 2 * K)
         parent += torch.arange(A, device=device).unsqueeze(1) * K  # flat row of each parent
         ended = (token[:, :K] == EOS_ID) & values[:, :K].isfinite()
