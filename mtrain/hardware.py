@@ -97,11 +97,11 @@ def resolve_amp(amp: str, device: torch.device, key: str = "train.amp") -> torch
 
 
 def decode_autocast(amp: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """The autocast decoding runs under for decode.amp (off: none, so decoding inside training's
-    validation keeps the training's own)."""
+    """The autocast decoding runs under for decode.amp; off (or bf16 where it is not native): none,
+    float32 even inside a caller's autocast."""
     dtype = resolve_amp(amp, device, key="decode.amp")
     if dtype is None:
-        return contextlib.nullcontext()
+        return torch.autocast(device.type, enabled=False)
     return torch.autocast(device.type, dtype=dtype)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import IO, Any, Iterator, Protocol, runtime_checkable
 
 import torch
+from torch import nn
 
 from tqdm import tqdm
 
@@ -117,11 +118,17 @@ def load_for_decoding(paths: str | Path | list[str | Path], device: torch.device
         engine = CTranslate2Model(paths[0], device)
         return engine, engine.tokenizer, {"stats": engine.meta.get("stats") or {}}
     model, tokenizer, ckpt = load_models(paths, device)
+    return decoding_model(model, decode, device), tokenizer, ckpt
+
+
+def decoding_model(model: nn.Module, decode: DecodeConfig, device: torch.device) -> nn.Module:
+    """`model` in the precision decode.quantize and decode.amp ask for (changed in place): int8
+    linear layers, bfloat16 weights where that resolves to bfloat16, float32 otherwise."""
     if decode.quantize == "int8":
         model = quantize_int8(model)
     if resolve_amp(decode.amp, device, key="decode.amp") == torch.bfloat16:
         model = bfloat16_weights(model)
-    return model, tokenizer, ckpt
+    return model
 
 
 def _search(model: Decoder | Engine, src: torch.Tensor, max_len: torch.Tensor, decode: DecodeConfig,
@@ -179,10 +186,10 @@ def translate_nbest(model: Decoder, tokenizer: Tokenizer, lines: list[str], deco
     results: Hypotheses = [[(LINE_BREAKS.sub(" ", text), 0.0)] * decode.nbest for text in bare]
     todo = [i for i, seq in enumerate(ids) if seq]
     slope = length_slope(decode, stats)
-    # decode.amp over float32 weights: autocast (off keeps the caller's: validation's). Weights that
-    # load_for_decoding made bfloat16 need none.
+    # decode.amp over float32 weights: autocast. Weights that decoding_model made bfloat16 need none.
+    # Either way a caller's autocast (a training loop's) is switched off: the precision is decode's.
     bf16_weights = weights_dtype(model) == torch.bfloat16
-    precision = contextlib.nullcontext() if bf16_weights else decode_autocast(decode.amp, device)
+    precision = decode_autocast("off" if bf16_weights else decode.amp, device)
     for batch in decode_batches([len(ids[i]) for i in todo], decode.max_tokens):
         rows = [todo[j] for j in batch]
         src = pad_sources([ids[i] for i in rows], device)

@@ -69,9 +69,8 @@ def test_dry_run_reports_the_resolved_precision(tokenized_slice, monkeypatch, na
 
 def test_decode_amp_sets_the_precision_search_runs_in(monkeypatch):
     """bf16 (native CPU): the search of a float32 model runs under bf16 autocast, a bfloat16 copy's
-    without; off: under whatever the caller set,
-    so validation inside a bf16 run still decodes in bf16; an unknown value: one line naming
-    decode.amp."""
+    without; off: in float32, even inside a caller's bf16 autocast (a training loop's validation);
+    an unknown value: one line naming decode.amp."""
     from mtrain import translate
     from mtrain.config import DecodeConfig, ModelConfig
     from mtrain.errors import MtrainError
@@ -101,9 +100,9 @@ def test_decode_amp_sets_the_precision_search_runs_in(monkeypatch):
     model = Transformer(ModelConfig(d_model=8, d_ff=16, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, vocab_size=20))
     translate.translate_nbest(model, Tok(), ["a"], DecodeConfig(beam=1, amp="bf16"), "cpu")
     translate.translate_nbest(model, Tok(), ["a"], DecodeConfig(beam=1), "cpu")
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # what validation does in a bf16 run
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a caller's autocast does not leak in
         translate.translate_nbest(model, Tok(), ["a"], DecodeConfig(beam=1), "cpu")
-    assert seen == [torch.bfloat16, None, torch.bfloat16]
+    assert seen == [torch.bfloat16, None, None]
     from mtrain.quantize import bfloat16_weights
 
     translate.translate_nbest(bfloat16_weights(model), Tok(), ["a"], DecodeConfig(beam=1, amp="bf16"), "cpu")

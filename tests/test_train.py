@@ -228,6 +228,30 @@ def test_free_memory_is_released_after_each_validation_or_save(copy_data, tmp_pa
     assert released == [3, 4, 6, 8, 9]  # validations at 4, 8 and 9 (the last), saves at 3, 6 and 9
 
 
+@pytest.mark.parametrize("decode_amp", ["off", "bf16"])
+def test_validation_decodes_in_decode_precision_not_the_training_one(copy_data, tmp_path, monkeypatch, decode_amp):
+    """Training under bfloat16 autocast, validation translates as `mtrain translate` would: float32
+    with decode.amp off, a bfloat16 copy of the model with decode.amp=bf16, never under the training
+    loop's autocast, and the trained weights stay float32."""
+    import mtrain.hardware as hardware
+    import mtrain.translate as translate_module
+
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: True)  # bf16 resolves on any CPU
+    seen: list[tuple[bool, torch.dtype]] = []
+    search = translate_module._search
+
+    def spy(model, *args, **kwargs):
+        seen.append((torch.is_autocast_enabled("cpu"), next(model.parameters()).dtype))
+        return search(model, *args, **kwargs)
+
+    monkeypatch.setattr(translate_module, "_search", spy)
+    run(copy_data, tmp_path, "train.max_steps=2", "train.eval_every=2", "train.save_every=2", "train.amp=bf16",
+        f"decode.amp={decode_amp}")
+    want = torch.bfloat16 if decode_amp == "bf16" else torch.float32
+    assert seen and all(entry == (False, want) for entry in seen)
+    assert all(w.dtype == torch.float32 for w in weights(tmp_path / "last.pt").values() if w.is_floating_point())
+
+
 def test_kill_during_finish_resumes_into_finish(copy_data, tmp_path):
     """last.pt written at the final step, then a kill before averaging: the re-run finishes the job."""
     args = ["train.max_steps=4", "train.save_every=2", "train.eval_every=2", "train.average_last=2"]
