@@ -273,14 +273,16 @@ def sample(model: Decoder, src: Tensor, max_len: Tensor, sampling: Sampling, str
 def _decode_token_by_token(model: Decoder, src: Tensor, rules: Constraints, pick) -> list[tuple[list[int], float]]:
     """Greedy search (pick None: the most probable token) or sampling (pick(scores, rows, t) draws
     a token per row), one token per step. Returns per sentence (ids, sum of log-probs); greedy
-    leaves the sum at 0.0 (it never needs a log_softmax)."""
+    leaves the sum at 0.0 (it never needs a log_softmax). Finished sentences leave the batch (in
+    steps of row_sizes: until then a finished row feeds EOS and its results are ignored)."""
     B = src.size(0)
     memory, cache = model.encode(src), model.new_cache()
     out = src.new_full((B, int(rules.max_len.max()) + 1), EOS_ID)
     logprob = torch.zeros(B, dtype=torch.float64, device=src.device)
-    active = torch.arange(B, device=src.device)  # original index of each row still decoding
+    active = torch.arange(B, device=src.device)  # original index of each row
+    ended = torch.zeros(B, dtype=torch.bool, device=src.device)  # per row: its sentence has its EOS
     tokens = src.new_full((B,), BOS_ID)
-    blocks = Float32Blocks()
+    blocks, sizes = Float32Blocks(), row_sizes(model, src.device)
     for t in range(out.size(1)):
         forced, bans = rules.forced(active, t), rules.bans(out[active, :t])
         picked = []
@@ -291,18 +293,50 @@ def _decode_token_by_token(model: Decoder, src: Tensor, rules: Constraints, pick
             scores = restrict_(logits, forced[first : first + n], bans_in(bans, first, n))
             chosen = argmax_rows(scores) if pick is None else pick(scores, rows, t)  # log_softmax keeps the argmax
             if full is not None:
-                logprob[rows] += full.gather(1, chosen.unsqueeze(1)).squeeze(1).double()
+                gained = full.gather(1, chosen.unsqueeze(1)).squeeze(1).double()
+                logprob[rows] += gained.masked_fill_(ended[first : first + n], 0.0)
             picked.append(chosen)
-        tokens = picked[0] if len(picked) == 1 else torch.cat(picked)
-        out[active, t] = tokens
-        going = tokens != EOS_ID
-        if not going.any():
+        tokens = (picked[0] if len(picked) == 1 else torch.cat(picked)).masked_fill_(ended, EOS_ID)
+        out[active, t] = tokens  # an ended row writes EOS after its EOS, which _until_eos cuts
+        ended = tokens == EOS_ID
+        going = (~ended).nonzero().squeeze(1)
+        if not going.numel():
             break
-        if not going.all():  # drop finished rows so later steps cost less
-            keep = going.nonzero().squeeze(1)
-            active, tokens, memory, src = active[keep], tokens[keep], memory[keep], src[keep]
+        size = sizes(going.numel())
+        if size < tokens.numel():  # drop finished rows so later steps cost less
+            keep = torch.cat([going, ended.nonzero().squeeze(1)[: size - going.numel()]])
+            active, tokens, ended, memory, src = active[keep], tokens[keep], ended[keep], memory[keep], src[keep]
             cache.reorder(keep)
     return [(_until_eos(row), score) for row, score in zip(out.tolist(), logprob.tolist())]
+
+
+def kept_rows(n: int) -> int:
+    """How many rows a search keeps for n unfinished ones where new shapes are costly (see
+    row_sizes): n rounded up to a multiple of 2^(floor(log2 n) - 3), so at most 1/8 more (n itself
+    below 16), and at most 8 row counts per doubling."""
+    step = 1 << max(0, n.bit_length() - 4)
+    return -(-n // step) * step
+
+
+def row_sizes(model: Any, device: torch.device):
+    """The rows a search keeps for n unfinished ones: kept_rows where the model's matmuls are
+    bfloat16 on a CPU, otherwise n (exact_rows).
+
+    There they run through oneDNN, which compiles a kernel for each new shape (~1 ms) and keeps
+    1024. Dropping each finished row at once gave the matmuls a new row count at nearly every step:
+    translating 6000 lines with bfloat16 weights made ~1000 new kernels in every pass, and each
+    pass took 1.4x as long as with kept_rows (2-core AMX host, docs/benchmarks.md). Float32 on a
+    CPU has no such cache, and there the kept rows cost up to 1/8 more work: a float32 greedy run
+    of the same lines took 8% longer with them."""
+    bfloat16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    if not bfloat16 and isinstance(model, torch.nn.Module):
+        bfloat16 = next(model.parameters(), torch.empty(0)).dtype == torch.bfloat16
+    return kept_rows if device.type == "cpu" and bfloat16 else exact_rows
+
+
+def exact_rows(n: int) -> int:
+    """n itself: every finished row leaves at once."""
+    return n
 
 
 def stream_key(seed: int, line: int, sample: int) -> int:
@@ -356,8 +390,9 @@ def beam_search(model: Decoder, src: Tensor, beam: int, lenpen: float, max_len: 
     Each step takes the 2*beam best extensions per sentence: EOS among the top `beam` finishes a
     hypothesis (its score is then frozen), the best `beam` others stay alive. A sentence is done
     when it has `beam` finished hypotheses that no alive one can beat, or at its max_len; done
-    sentences leave the batch. Within a forced prefix only one extension is finite, so the
-    sentence keeps one live beam until the prefix ends."""
+    sentences leave the batch (in steps of row_sizes: until then their rows run on, and nothing
+    they find is kept). Within a forced prefix only one extension is finite, so the sentence keeps
+    one live beam until the prefix ends."""
     if not 1 <= nbest <= beam:
         raise ValueError(f"need 1 <= nbest <= beam, got nbest={nbest}, beam={beam}")
     B, K, device = src.size(0), beam, src.device
@@ -374,8 +409,9 @@ def beam_search(model: Decoder, src: Tensor, beam: int, lenpen: float, max_len: 
     fin_scores = torch.full((B, K), NEG_INF, device=device)  # normalised, sorted descending
     fin_tokens = src.new_full((B, K, steps), EOS_ID)
     active = torch.arange(B, device=device)
+    gone = torch.zeros(B, dtype=torch.bool, device=device)  # per sentence: done, kept only to keep the size
     tokens = src.new_full((B,), BOS_ID)
-    blocks = Float32Blocks()
+    blocks, sizes = Float32Blocks(), row_sizes(model, device)
     for t in range(steps):
         A = active.numel()
         if t == 0:  # one beam: its 2K best tokens are the candidates
@@ -388,20 +424,23 @@ def beam_search(model: Decoder, src: Tensor, beam: int, lenpen: float, max_len: 
                                        blocks=blocks)
         values, parent, token = topk_step(scores, top.view(A, scores.size(1), -1), ids.view(A, scores.size(1), -1), 2 * K)
         parent += torch.arange(A, device=device).unsqueeze(1) * K  # flat row of each parent
-        ended = (token[:, :K] == EOS_ID) & values[:, :K].isfinite()
+        ended = (token[:, :K] == EOS_ID) & values[:, :K].isfinite() & ~gone.unsqueeze(1)
         if ended.any():
             new = (values[:, :K] / length_penalty(t + 1, lenpen)).masked_fill(~ended, NEG_INF)
             candidates = history[parent[:, :K]]  # (A, K, steps); column t already holds EOS
             fin_scores[active], fin_tokens[active] = _merge(fin_scores[active], fin_tokens[active], new, candidates)
         scores, pick = values.masked_fill(token == EOS_ID, NEG_INF).topk(K, dim=1)
         parent, token = parent.gather(1, pick), token.gather(1, pick)
-        done = (max_len[active] <= t) | (fin_scores[active, -1] >= _best_possible(scores, t, max_len[active], lenpen))
-        if done.all():
+        done = gone | (max_len[active] <= t) | (fin_scores[active, -1] >= _best_possible(scores, t, max_len[active], lenpen))
+        going = (~done).nonzero().squeeze(1)
+        if not going.numel():
             break
-        keep = (~done).nonzero().squeeze(1)
-        pruned = keep.numel() < A
+        size = sizes(going.numel())
+        pruned = size < A
+        gone = done
         if pruned:  # drop done sentences: fewer rows for every later step
-            active, scores, parent, token = active[keep], scores[keep], parent[keep], token[keep]
+            keep = torch.cat([going, done.nonzero().squeeze(1)[: size - going.numel()]])
+            active, scores, parent, token, gone = active[keep], scores[keep], parent[keep], token[keep], gone[keep]
             memory, src = memory[keep], src[keep]
         rows = parent.flatten()
         # Moving beams within their sentence leaves the per-sentence cross-attention K/V as they

@@ -3,6 +3,7 @@ uncached decoding, batching invariance and maximum lengths on a small random Tra
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -14,10 +15,14 @@ from mtrain.config import ModelConfig
 from mtrain.kernels import argmax_rows, logsumexp_, topk_rows
 from mtrain.model import Transformer
 from mtrain.search import (
+    Sampling,
     beam_search,
     greedy_search,
+    kept_rows,
     length_penalty,
     next_token_topk,
+    sample,
+    stream_key,
     topk_step,
 )
 from mtrain.tokenizer import BOS_ID, EOS_ID, PAD_ID
@@ -293,6 +298,67 @@ def test_batch_equals_each_sentence_alone(model, beam):
         assert [ids for ids, _ in together[i]] == [ids for ids, _ in alone]
         assert [s for _, s in together[i]] == pytest.approx([s for _, s in alone], abs=1e-4)
         assert greedy[i] == greedy_search(model, alone_src, max_len[i : i + 1])[0]
+
+
+def test_kept_rows_rounds_up_by_at_most_an_eighth_to_8_sizes_per_doubling():
+    assert [kept_rows(n) for n in range(1, 16)] == list(range(1, 16))
+    for n in range(1, 5000):
+        assert n <= kept_rows(n) <= n + n / 8 and kept_rows(kept_rows(n)) == kept_rows(n)
+    sizes = {kept_rows(n) for n in range(1, 2 ** 12)}
+    for k in range(4, 12):
+        assert len([size for size in sizes if 2 ** k <= size < 2 ** (k + 1)]) == 8
+
+
+def test_rows_are_kept_for_bfloat16_matmuls_on_a_cpu_only(model):
+    from mtrain.quantize import bfloat16_weights
+
+    cpu = torch.device("cpu")
+    assert search.row_sizes(model, cpu) is search.exact_rows
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert search.row_sizes(model, cpu) is kept_rows
+    assert search.row_sizes(bfloat16_weights(copy.deepcopy(model)), cpu) is kept_rows
+    assert search.row_sizes(bfloat16_weights(copy.deepcopy(model)), torch.device("cuda")) is search.exact_rows
+    assert search.row_sizes(object(), cpu) is search.exact_rows  # a decoder that is no nn.Module
+
+
+@pytest.mark.parametrize("method", ["greedy", "beam", "sample"])
+def test_rows_kept_after_their_sentence_ends_change_no_result(model, method, monkeypatch):
+    """40 sentences ending at many different steps: the search drops finished ones only down to
+    kept_rows sizes, so it runs on rows whose sentence has ended; every sentence's output (and
+    score) is still what it gets alone, and the decoder only ever sees kept_rows sizes."""
+    padded: list[int] = []  # finished rows kept, each time the batch shrank
+
+    def keep(n: int) -> int:
+        padded.append(kept_rows(n) - n)
+        return kept_rows(n)
+
+    monkeypatch.setattr(search, "row_sizes", lambda model, device: keep)  # as for bfloat16 on a CPU
+    src, max_len = random_batch(5, n=40)
+    streams = [stream_key(3, i, 0) for i in range(40)]
+
+    def run(rows: slice) -> list:
+        s, m = src[rows], max_len[rows]
+        if method == "greedy":
+            return greedy_search(model, s, m)
+        if method == "beam":
+            return beam_search(model, s, beam=3, lenpen=0.6, max_len=m, nbest=2)
+        return sample(model, s, m, Sampling(topk=5), streams[rows])
+
+    sizes: list[int] = []
+    decode_states = model.decode_states
+    monkeypatch.setattr(model, "decode_states", lambda tgt, *a, **k: sizes.append(tgt.size(0)) or decode_states(tgt, *a, **k))
+    together = run(slice(None))
+    sentences = [n // 3 for n in sizes[1:]] if method == "beam" else sizes  # beam: 3 rows a sentence after step 0
+    assert len(set(sentences)) > 3 and all(kept_rows(n) == n for n in sentences) and max(padded) > 0
+    for i in range(40):
+        alone = run(slice(i, i + 1))[0]
+        if method == "greedy":
+            assert together[i] == alone
+        elif method == "beam":
+            assert [ids for ids, _ in together[i]] == [ids for ids, _ in alone]
+            assert [s for _, s in together[i]] == pytest.approx([s for _, s in alone], abs=1e-4)
+        else:
+            assert together[i][0] == alone[0] and together[i][1] == pytest.approx(alone[1], abs=1e-4)
 
 
 class RowCache(KVCache):
