@@ -274,8 +274,11 @@ def time_models(steps: dict[str, tuple[Callable, nn.Module, list[Batch]]], round
 
 # Anchors: an op under one of these (by name, anywhere up its call tree) counts as that part.
 # Names are compared lowercased without underscores (forward ops and their backward nodes alike).
+# Attention is SDPA, or (bfloat16 on a CPU, mtrain.model.bfloat16_attention) batched matmuls and a
+# softmax, which nothing else in a step uses: the linear layers and the projection run addmm and mm.
+ATTENTION = "attention (SDPA; bf16: bmm, softmax)"
 ANCHORS = [("optimizer.step", "Adam step"), ("smoothedcrossentropy", "loss: softmax, exp, sums (N x V)"),
-           ("scaleddotproduct", "attention kernels (SDPA)"), ("layernorm", "layer norm")]
+           ("scaleddotproduct", ATTENTION), ("bmm", ATTENTION), ("softmax", ATTENTION), ("layernorm", "layer norm")]
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 # Ops outside an anchor, by name.
 OPS = [(MATMULS, "matmuls (linear layers)"),

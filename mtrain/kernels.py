@@ -5,6 +5,7 @@ would (the dropout mask in distribution) and falls back to it where torch is fas
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 NEG_INF = float("-inf")
@@ -17,15 +18,21 @@ class Dropout(nn.Dropout):
     torch.compile use F.dropout (already fused there)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if (not self.training or self.p == 0.0 or x.device.type != "cpu"
-                or x.dtype not in (torch.float32, torch.bfloat16) or torch.compiler.is_compiling()):
-            return super().forward(x)
-        mask, scale = cpu_dropout_mask(x, self.p)
-        if x.dtype == torch.float32:
-            return x * mask  # mask: 0 or the scale
-        # bfloat16 has no exact 1 / (1 - p) (1/0.9 -> 1.109, a 0.2% bias): scale each element in
-        # float32 and round it, so the error is each element's own rounding, not one shared bias.
-        return x.mul(scale).mul_(mask)  # mask: 0 or 1
+        return dropout(x, self.p, self.training, self.inplace)
+
+
+def dropout(x: Tensor, p: float, training: bool = True, inplace: bool = False) -> Tensor:
+    """F.dropout(x, p, training, inplace), with cpu_dropout_mask for float32 and bfloat16 on a CPU
+    (never in place there)."""
+    if (not training or p == 0.0 or x.device.type != "cpu"
+            or x.dtype not in (torch.float32, torch.bfloat16) or torch.compiler.is_compiling()):
+        return F.dropout(x, p, training, inplace)
+    mask, scale = cpu_dropout_mask(x, p)
+    if x.dtype == torch.float32:
+        return x * mask  # mask: 0 or the scale
+    # bfloat16 has no exact 1 / (1 - p) (1/0.9 -> 1.109, a 0.2% bias): scale each element in
+    # float32 and round it, so the error is each element's own rounding, not one shared bias.
+    return x.mul(scale).mul_(mask)  # mask: 0 or 1
 
 
 # The bit patterns of 1.0 in bfloat16 and of a float32 scale: a mask is made by bitwise ops on

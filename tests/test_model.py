@@ -344,19 +344,71 @@ def test_runs_under_bf16_autocast_with_float32_parameters():
     assert (low.float() - full).abs().max().item() < 0.25  # bf16 keeps ~3 significant digits
 
 
-def test_bf16_attention_runs_in_float32_on_cpu():
-    """Under autocast, attend upcasts bf16 q/k/v (CPU bf16 attention kernels are slow) and autocast
-    must not cast them back: the result is float32 SDPA of the upcast inputs, rounded once to
-    bfloat16 (the cast the next projection makes anyway), bit for bit."""
+def test_bf16_queries_over_float32_keys_attend_in_float32_on_cpu():
+    """A bfloat16 decoding copy's cache keeps keys and values in float32: attend upcasts q to
+    PyTorch's float32 kernel (autocast must not cast it back) and rounds the result once to bfloat16,
+    bit for bit."""
     gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(2, 4, 7, 8, generator=gen).bfloat16() for _ in range(3))
+    q = torch.randn(2, 4, 7, 8, generator=gen).bfloat16()
+    k, v = (torch.randn(2, 4, 7, 8, generator=gen) for _ in range(2))
     mask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])[:, None, None, :]
-    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = attend(q, k, v, mask, 0.0)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, expected.bfloat16())
     assert torch.equal(attend(q, k, v, mask, 0.0), expected.bfloat16())  # a bfloat16 model, no autocast
+
+
+def bf16_qkv(seed: int, shape=(3, 4, 9, 16)) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=gen).bfloat16().requires_grad_() for _ in range(3)]
+
+
+@pytest.mark.parametrize("masking", ["padding", "causal", "prefix"])
+def test_bf16_attention_is_float32_attention_to_bfloat16_precision(masking):
+    """bfloat16 q, k, v (training under autocast): the output and the gradients of q, k and v are
+    PyTorch's float32 attention of the same values, to within bfloat16 rounding of the scores and
+    the weights."""
+    q, k, v = bf16_qkv(4)
+    mask, causal = None, masking == "causal"
+    if masking == "padding":
+        mask = torch.tensor([[True] * 9, [True] * 5 + [False] * 4, [True] * 2 + [False] * 7])[:, None, None, :]
+    elif masking == "prefix":  # 9 queries after 0 cached positions, as causal_mask builds it
+        mask = torch.ones(9, 9, dtype=torch.bool).tril()
+    got = attend(q, k, v, mask, 0.0, causal)
+    assert got.dtype == torch.bfloat16
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    want = torch.nn.functional.scaled_dot_product_attention(q32, k32, v32, attn_mask=mask, is_causal=causal)
+    assert (got.float() - want).abs().max().item() < 0.05
+    upstream = torch.randn(want.shape, generator=torch.Generator().manual_seed(5))
+    got.backward(upstream.bfloat16())
+    want.backward(upstream)
+    for low, high in ((q, q32), (k, k32), (v, v32)):
+        scale = high.grad.abs().max().item()
+        assert (low.grad.float() - high.grad).abs().max().item() < 0.05 * scale
+
+
+def test_bf16_attention_ignores_masked_keys_and_the_future_exactly():
+    """Masked keys and values (padding) and later positions (causal) change nothing, bit for bit."""
+    q, k, v = (x.detach() for x in bf16_qkv(6))
+    mask = torch.tensor([[True] * 9, [True] * 5 + [False] * 4, [True] * 2 + [False] * 7])[:, None, None, :]
+    k2, v2 = k.clone(), v.clone()
+    k2[1, :, 5:], v2[1, :, 5:], k2[2, :, 2:], v2[2, :, 2:] = 7.0, -7.0, 3.0, 3.0
+    assert torch.equal(attend(q, k, v, mask, 0.0), attend(q, k2, v2, mask, 0.0))
+    k3, v3 = k.clone(), v.clone()
+    k3[:, :, 6:], v3[:, :, 6:] = 5.0, -5.0
+    assert torch.equal(attend(q, k, v, None, 0.0, True)[:, :, :6], attend(q, k3, v3, None, 0.0, True)[:, :, :6])
+
+
+def test_bf16_attention_dropout_drops_weights_in_training_only():
+    q, k, v = (x.detach() for x in bf16_qkv(8, shape=(64, 4, 9, 16)))
+    ones = torch.ones_like(v)  # each output = the sum of its row's kept weights
+    torch.manual_seed(0)
+    kept = attend(q, k, ones, None, 0.5)[..., 0].float()
+    assert 0.3 < (kept < 0.9).float().mean().item() < 1.0  # rows lost some weight ...
+    assert abs(kept.mean().item() - 1.0) < 0.05  # ... and the survivors are scaled by 1 / (1 - p)
+    assert torch.allclose(attend(q, k, ones, None, 0.0)[..., 0].float(), torch.ones(64, 4, 9), atol=1e-2)
 
 
 def test_bf16_cpu_dropout_scales_each_element_in_float32():
