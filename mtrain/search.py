@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from mtrain.kernels import NEG_INF, argmax_rows, logsumexp_, topk_rows
+from mtrain.quantize import weights_dtype
 from mtrain.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
@@ -299,15 +300,23 @@ def _decode_token_by_token(model: Decoder, src: Tensor, rules: Constraints, pick
         tokens = (picked[0] if len(picked) == 1 else torch.cat(picked)).masked_fill_(ended, EOS_ID)
         out[active, t] = tokens  # an ended row writes EOS after its EOS, which _until_eos cuts
         ended = tokens == EOS_ID
-        going = (~ended).nonzero().squeeze(1)
-        if not going.numel():
+        if ended.all():
             break
-        size = sizes(going.numel())
-        if size < tokens.numel():  # drop finished rows so later steps cost less
-            keep = torch.cat([going, ended.nonzero().squeeze(1)[: size - going.numel()]])
+        keep = rows_to_keep(ended, sizes)
+        if keep is not None:  # drop finished rows so later steps cost less
             active, tokens, ended, memory, src = active[keep], tokens[keep], ended[keep], memory[keep], src[keep]
             cache.reorder(keep)
     return [(_until_eos(row), score) for row, score in zip(out.tolist(), logprob.tolist())]
+
+
+def rows_to_keep(done: Tensor, sizes) -> Tensor | None:
+    """The rows (or sentences) to go on with when the `done` ones may leave: every other one, then
+    done ones up to sizes(others); None when that is all of them."""
+    going = (~done).nonzero().squeeze(1)
+    size = sizes(going.numel())
+    if size >= done.numel():
+        return None
+    return torch.cat([going, done.nonzero().squeeze(1)[: size - going.numel()]])
 
 
 def kept_rows(n: int) -> int:
@@ -329,8 +338,7 @@ def row_sizes(model: Any, device: torch.device):
     CPU has no such cache, and there the kept rows cost up to 1/8 more work: a float32 greedy run
     of the same lines took 8% longer with them."""
     bfloat16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
-    if not bfloat16 and isinstance(model, torch.nn.Module):
-        bfloat16 = next(model.parameters(), torch.empty(0)).dtype == torch.bfloat16
+    bfloat16 = bfloat16 or weights_dtype(model) == torch.bfloat16
     return kept_rows if device.type == "cpu" and bfloat16 else exact_rows
 
 
@@ -432,14 +440,11 @@ def beam_search(model: Decoder, src: Tensor, beam: int, lenpen: float, max_len: 
         scores, pick = values.masked_fill(token == EOS_ID, NEG_INF).topk(K, dim=1)
         parent, token = parent.gather(1, pick), token.gather(1, pick)
         done = gone | (max_len[active] <= t) | (fin_scores[active, -1] >= _best_possible(scores, t, max_len[active], lenpen))
-        going = (~done).nonzero().squeeze(1)
-        if not going.numel():
+        if done.all():
             break
-        size = sizes(going.numel())
-        pruned = size < A
-        gone = done
+        keep, gone = rows_to_keep(done, sizes), done
+        pruned = keep is not None
         if pruned:  # drop done sentences: fewer rows for every later step
-            keep = torch.cat([going, done.nonzero().squeeze(1)[: size - going.numel()]])
             active, scores, parent, token, gone = active[keep], scores[keep], parent[keep], token[keep], gone[keep]
             memory, src = memory[keep], src[keep]
         rows = parent.flatten()
