@@ -10,7 +10,6 @@ fixed, ends bit-identical to an uninterrupted run."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import math
 import random
@@ -26,7 +25,7 @@ from tqdm import tqdm
 from mtrain import checkpoint, probe
 from mtrain import distributed as dist_utils
 from mtrain.atomic import describe_write_error
-from mtrain.config import Config, DecodeConfig, replace, to_dict
+from mtrain.config import Config, replace, to_dict
 from mtrain.data import Batch, BatchStream, SubwordSampler, TokenizedData, collate, make_batches, stream_target_tokens, target_tokens
 from mtrain.errors import MtrainError
 from mtrain.evaluate import score
@@ -355,20 +354,14 @@ class Trainer:
                 if self.tcfg.eval_max_sentences > 0:
                     sources, refs = sources[:self.tcfg.eval_max_sentences], refs[:self.tcfg.eval_max_sentences]
                 decode = dataclasses.replace(self.cfg.decode, beam=self.tcfg.eval_beam, nbest=1)
-                hyps = translate_lines(self.decoding_model(decode), self.tokenizer, sources, decode, self.device,
-                                       stats=self.stats)
+                model = decoding_model(self.model, decode, self.device, keep_original=True)
+                hyps = translate_lines(model, self.tokenizer, sources, decode, self.device, stats=self.stats)
                 scores = score(hyps, [refs])
             finally:
                 self.model.train()
         samples = [{"src": s, "ref": r, "hyp": h} for s, r, h in list(zip(sources, refs, hyps))[:N_SAMPLES]]
         return {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50.0)), "bleu": scores["bleu"],
                 "chrf": scores["chrf"], "samples": samples}
-
-    def decoding_model(self, decode: DecodeConfig) -> nn.Module:
-        """The model to translate with: itself, or a copy with int8 layers or bfloat16 weights when decode
-        asks for them (fp16 decodes under autocast, mtrain.translate)."""
-        plain = decode.quantize == "off" and resolve_amp(decode.amp, self.device, key="decode.amp") != torch.bfloat16
-        return self.model if plain else decoding_model(copy.deepcopy(self.model), decode, self.device)
 
     def _valid_loss(self) -> tuple[float, float]:
         split = self.valid_split

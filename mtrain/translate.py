@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import copy
 import dataclasses
 import itertools
 import re
@@ -121,12 +122,18 @@ def load_for_decoding(paths: str | Path | list[str | Path], device: torch.device
     return decoding_model(model, decode, device), tokenizer, ckpt
 
 
-def decoding_model(model: nn.Module, decode: DecodeConfig, device: torch.device) -> nn.Module:
-    """`model` in the precision decode.quantize and decode.amp ask for (changed in place): int8
-    linear layers, bfloat16 weights where that resolves to bfloat16, float32 otherwise."""
-    if decode.quantize == "int8":
+def decoding_model(model: nn.Module, decode: DecodeConfig, device: torch.device,
+                   keep_original: bool = False) -> nn.Module:
+    """`model` in the precision decode.quantize and decode.amp ask for: int8 linear layers, bfloat16
+    weights where that resolves to bfloat16, float32 otherwise. Changed in place, or with
+    keep_original in a copy when it needs a change (validation goes on training its model)."""
+    int8 = decode.quantize == "int8"
+    bfloat16 = resolve_amp(decode.amp, device, key="decode.amp") == torch.bfloat16
+    if keep_original and (int8 or bfloat16):
+        model = copy.deepcopy(model)
+    if int8:
         model = quantize_int8(model)
-    if resolve_amp(decode.amp, device, key="decode.amp") == torch.bfloat16:
+    if bfloat16:
         model = bfloat16_weights(model)
     return model
 
