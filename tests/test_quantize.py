@@ -4,6 +4,8 @@ line before any model is loaded."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -130,6 +132,40 @@ def test_a_bfloat16_copy_runs_its_linear_layers_through_onednn_with_the_relu_fus
         got = fast(src, tgt).float()
     assert (got - reference).abs().max() <= 0.01 * reference.abs().max()
     assert (fast(src, tgt).float() - reference).abs().max() <= 0.01 * reference.abs().max()  # gradients on
+
+
+@pytest.mark.skipif(not quantize._has_onednn_linear(), reason="this PyTorch has no oneDNN linear")
+@pytest.mark.parametrize("activation,bias", [("none", True), ("relu", True), ("none", False)])
+@torch.no_grad()
+def test_a_packed_weight_gives_the_unpacked_kernels_result_and_follows_the_weight(activation, bias):
+    """The weight packed once into oneDNN's layout gives exactly what the same kernel gives on the
+    plain weight, at row counts from 1 to many; after the weight is changed in place, or replaced,
+    the layer uses the new one."""
+    torch.manual_seed(0)
+    layer = quantize.OneDNNLinear(48, 80, bias=bias).to(torch.bfloat16)
+    layer.activation = activation
+
+    def unpacked(x):
+        return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, activation, [], "")
+
+    for rows in (1, 7, 64, 300):
+        x = torch.randn(rows, 1, 48).to(torch.bfloat16)
+        assert torch.equal(layer(x), unpacked(x))
+    packed = layer.packed_weight()
+    assert layer.packed_weight() is packed  # packed once while the weight stays the same
+    x = torch.randn(5, 48).to(torch.bfloat16)
+    layer.weight.mul_(-2.0)  # in place
+    assert torch.equal(layer(x), unpacked(x))
+    layer.weight = nn.Parameter(torch.randn(80, 48).to(torch.bfloat16))  # a new tensor
+    assert torch.equal(layer(x), unpacked(x))
+    assert layer.packed_weight() is not packed
+    copied = copy.deepcopy(layer)  # oneDNN's packed tensor cannot be copied: the copy packs its own
+    assert torch.equal(copied(x), layer(x)) and copied.packed_weight() is not layer.packed_weight()
+    with torch.inference_mode():  # weights without a version counter: packed at every call
+        made_here = quantize.OneDNNLinear(48, 80, bias=bias).to(torch.bfloat16)
+        made_here.weight.mul_(3.0)
+        assert torch.equal(made_here(x), torch.ops.mkldnn._linear_pointwise(x, made_here.weight, made_here.bias,
+                                                                            "none", [], ""))
 
 
 def test_without_onednn_the_bfloat16_copy_keeps_plain_linear_layers(monkeypatch):
