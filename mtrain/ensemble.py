@@ -44,6 +44,11 @@ class EnsembleCache:
         for cache in self.caches:
             cache.reorder(index, cross=cross)
 
+    def reserve(self, length: int) -> None:
+        for cache in self.caches:
+            if hasattr(cache, "reserve"):
+                cache.reserve(length)
+
 
 class Ensemble:
     """Models that share one target vocabulary, decoding as one (see the module docstring)."""

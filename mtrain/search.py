@@ -34,6 +34,8 @@ class DecoderCache(Protocol):
     def reorder(self, index: Tensor, cross: bool = True) -> None:
         """Target row i becomes old row index[i]; cross=False: sources stay as they are."""
 
+    # Optional: reserve(length), room for `length` tokens per row before the first step (see reserve).
+
 
 @runtime_checkable
 class Decoder(Protocol):
@@ -279,6 +281,7 @@ def _decode_token_by_token(model: Decoder, src: Tensor, rules: Constraints, pick
     B = src.size(0)
     memory, cache = model.encode(src), model.new_cache()
     out = src.new_full((B, int(rules.max_len.max()) + 1), EOS_ID)
+    reserve(cache, out.size(1))
     logprob = torch.zeros(B, dtype=torch.float64, device=src.device)
     active = torch.arange(B, device=src.device)  # original index of each row
     ended = torch.zeros(B, dtype=torch.bool, device=src.device)  # per row: its sentence has its EOS
@@ -307,6 +310,19 @@ def _decode_token_by_token(model: Decoder, src: Tensor, rules: Constraints, pick
             active, tokens, ended, memory, src = active[keep], tokens[keep], ended[keep], memory[keep], src[keep]
             cache.reorder(keep)
     return [(_until_eos(row), score) for row, score in zip(out.tolist(), logprob.tolist())]
+
+
+# The most steps a search reserves cache room for: a max_len far beyond what the sentences need (a
+# large decode.max_len_b) would otherwise hold memory that no output uses; longer outputs grow the
+# cache by doubling from there, as they did before.
+MAX_RESERVED = 256
+
+
+def reserve(cache, steps: int) -> None:
+    """Tell a cache that can be told (mtrain.cache.KVCache.reserve) how many steps a search may
+    take, up to MAX_RESERVED."""
+    if hasattr(cache, "reserve"):
+        cache.reserve(min(steps, MAX_RESERVED))
 
 
 def rows_to_keep(done: Tensor, sizes) -> Tensor | None:
@@ -412,6 +428,7 @@ def beam_search(model: Decoder, src: Tensor, beam: int, lenpen: float, max_len: 
     # plain cache; expand_beams then makes rows b*K .. b*K+K-1 sentence b's beams, with one
     # cross-attention K/V per sentence.
     cache = model.new_cache()
+    reserve(cache, steps)
     history = src.new_full((B * K, steps), EOS_ID)  # tokens of the alive hypotheses
     scores = src.new_zeros((B, 1), dtype=torch.float32)  # the one beam of step 0
     fin_scores = torch.full((B, K), NEG_INF, device=device)  # normalised, sorted descending

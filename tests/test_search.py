@@ -526,3 +526,47 @@ def test_float32_blocks_reuse_one_buffer_and_pass_float32_through():
     assert second.tolist() == [[7.0, 8.0]] and second.data_ptr() == first.data_ptr()
     already = torch.ones(2, 3)
     assert blocks.upcast(already) is already
+
+
+@pytest.mark.parametrize("group", [1, 3])
+@torch.inference_mode()
+def test_a_reserved_cache_makes_its_buffers_once_and_decodes_the_same(model, group):
+    """After reserve(40), every layer's self-attention buffers hold 40 positions (40 slots per beam)
+    from the first step on and are never made again, where a cache without it grows past 32; the
+    logits of every step are bit for bit those of the growing cache."""
+    src, _ = random_batch(3, n=4)
+    memory = model.encode(src)
+    caches = [model.new_cache(), model.new_cache()]
+    caches[0].reserve(40)
+    buffers = [set(), set()]
+    tokens = torch.full((src.size(0),), BOS_ID)
+    for step in range(40):
+        logits = [model.decode(tokens.unsqueeze(1), memory, src, cache) for cache in caches]
+        assert torch.equal(logits[0], logits[1])
+        if step == 0 and group > 1:
+            caches = [cache.expand_beams(group) for cache in caches]
+        for made, cache in zip(buffers, caches):
+            made.update(layer.self_k.data_ptr() for layer in cache.layers)
+        tokens = logits[0][:, -1].argmax(-1).repeat_interleave(group if step == 0 else 1)
+    assert len(buffers[0]) == len(model.decoder)  # one buffer per layer, all along
+    assert all(layer.self_k.size(2) == 40 * group for layer in caches[0].layers)
+    assert len(buffers[1]) > len(model.decoder)  # the unreserved cache grew
+
+
+def test_searches_reserve_their_longest_output_up_to_a_bound(model, monkeypatch):
+    """Greedy search and beam search reserve max_len + 1 steps (the last can only add EOS), at most
+    search.MAX_RESERVED; reserving changes no output or score."""
+    reserved = []
+    real_reserve = KVCache.reserve
+    monkeypatch.setattr(KVCache, "reserve", lambda self, n: reserved.append(n) or real_reserve(self, n))
+    src, max_len = random_batch(5)
+    greedy = greedy_search(model, src, max_len)
+    beams = beam_search(model, src, beam=3, lenpen=0.6, max_len=max_len, nbest=3)
+    assert reserved == [int(max_len.max()) + 1] * 3  # greedy's cache; beam's first one, and its beams'
+    greedy_search(model, src, torch.full_like(max_len, 1000))
+    assert reserved[-1] == search.MAX_RESERVED
+    monkeypatch.setattr(search, "reserve", lambda cache, steps: None)
+    assert greedy_search(model, src, max_len) == greedy
+    unreserved = beam_search(model, src, beam=3, lenpen=0.6, max_len=max_len, nbest=3)
+    assert [[ids for ids, _ in hyps] for hyps in unreserved] == [[ids for ids, _ in hyps] for hyps in beams]
+    assert [s for hyps in unreserved for _, s in hyps] == [s for hyps in beams for _, s in hyps]
