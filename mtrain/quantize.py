@@ -127,8 +127,9 @@ class OneDNNLinear(nn.Linear):
     The weight goes in oneDNN's blocked layout once (packed_weight), as torch.compile's frozen
     graphs do, instead of being reordered into it at every call: at 256 rows a 256 x 768 layer then
     took 95 us instead of 142, the 256 x 8000 projection 563 instead of 764, with the same result,
-    and bfloat16 greedy decoding ran 1.06x, beam 5 1.03x as fast (docs/benchmarks.md). Inference
-    only: with gradients on, it is an nn.Linear (and its activation)."""
+    and bfloat16 greedy decoding ran 1.06x, beam 5 1.03x as fast (docs/benchmarks.md). The packed
+    copy costs the weight's memory once more (about 120 MB for the paper's base model in bfloat16).
+    Inference only: with gradients on, it is an nn.Linear (and its activation)."""
 
     activation = "none"
 
