@@ -16,6 +16,10 @@ round, so load from other processes on a shared machine falls on all of them ali
 process biased the comparison: on the 2-core AMX host `nn.Transformer`, taking turns batch by batch
 with mtrain, took 1.32-2.46 s for batches it takes in 1.26-1.38 s alone, while mtrain stayed within
 6 % of its own speed alone. `--together` keeps the one-process, batch-by-batch order.
+
+Every process keeps freed memory on the heap as `mtrain train` does (mtrain.memory.
+reuse_freed_memory), the peers' included, so all models run on the same allocator settings and
+the ratios compare the models' code alone.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from mtrain.config import ModelConfig
 from mtrain.data import make_batches
 from mtrain.hardware import cpu_has_native_bf16
 from mtrain.loss import Objective
+from mtrain.memory import reuse_freed_memory
 from mtrain.model import Transformer, sinusoids
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -396,6 +401,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.batches, args.rounds = 2, 1
     if args.threads:
         torch.set_num_threads(args.threads)
+    reuse_freed_memory()  # as `mtrain train` sets it; for every model alike (module docstring)
     torch.manual_seed(args.seed)
     cfg = SHAPES[args.shape]
 

@@ -144,8 +144,10 @@ def train(
         from mtrain.data import TokenizedData
 
         TokenizedData(data).check_weights(cfg.data, cfg.data.train_split)
+    from mtrain.memory import reuse_freed_memory
     from mtrain.train import train as run_training
 
+    reuse_freed_memory()
     summary = run_training(cfg, data_dir=data, run_dir=out, device=device, dry_run=dry_run)
     if dry_run:
         return
