@@ -25,16 +25,22 @@ MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts on a 64-bit system
 TRIM_THRESHOLD = 256 << 20
 
 
-@functools.cache
-def _mallopt():  # the C function, or None where the C library has none
+def _glibc_function(name: str, argtypes: list):
+    """The C library's function `name` (returning int), or None off Linux or where the C library
+    has no such function."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+        function = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
         return None
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return mallopt
+    function.argtypes, function.restype = argtypes, ctypes.c_int
+    return function
+
+
+@functools.cache
+def _mallopt():
+    return _glibc_function("mallopt", [ctypes.c_int, ctypes.c_int])
 
 
 def reuse_freed_memory() -> bool:
@@ -57,16 +63,8 @@ def reuse_freed_memory() -> bool:
 
 
 @functools.cache
-def _malloc_trim():  # the C function, or None where the C library has none
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
+def _malloc_trim():
+    return _glibc_function("malloc_trim", [ctypes.c_size_t])
 
 
 def release_free_memory() -> bool:
