@@ -1,6 +1,7 @@
 """CPU stand-ins for torch ops that cost more than they should on a CPU: a dropout mask from 15
-random bits per element, made without bool tensors, a chunked top-k and an in-place logsumexp. Each gives what the torch op
-would (the dropout mask in distribution) and falls back to it where torch is fast already."""
+random bits per element, made without bool tensors and applied by clearing bits, dropout folded
+into the linear layer around it, a chunked top-k and an in-place logsumexp. Each gives what the
+torch op would (the dropout mask in distribution) and falls back to it where torch is fast already."""
 
 from __future__ import annotations
 
@@ -12,55 +13,136 @@ NEG_INF = float("-inf")
 
 
 class Dropout(nn.Dropout):
-    """nn.Dropout, with a cheaper mask for float32 and bfloat16 on CPU, where bernoulli_ (one random
-    float per element) costs more than the matmul before it (in bfloat16, 5x more): see
-    cpu_dropout_mask. About 8% of a float32 training step on a 2-core CPU. GPUs, other dtypes and
-    torch.compile use F.dropout (already fused there)."""
+    """nn.Dropout, with a cheaper mask on a CPU, where bernoulli_ (one random float per element)
+    costs more than the matmul before it (in bfloat16, 5x more): see keep_bits. About 8% of a
+    float32 training step on a 2-core CPU. GPUs, other dtypes and torch.compile use F.dropout
+    (already fused there)."""
 
     def forward(self, x: Tensor) -> Tensor:
         return dropout(x, self.p, self.training, self.inplace)
 
 
+def _cpu_masks(x: Tensor, p: float, training: bool) -> bool:
+    """Whether dropout of x takes a mask from keep_bits (else F.dropout)."""
+    return (training and p > 0.0 and x.device.type == "cpu" and x.is_floating_point()
+            and not torch.compiler.is_compiling())
+
+
 def dropout(x: Tensor, p: float, training: bool = True, inplace: bool = False) -> Tensor:
-    """F.dropout(x, p, training, inplace), with cpu_dropout_mask for float32 and bfloat16 on a CPU
+    """F.dropout(x, p, training, inplace), with keep_bits' mask for float32 and bfloat16 on a CPU
     (never in place there)."""
-    if (not training or p == 0.0 or x.device.type != "cpu"
-            or x.dtype not in (torch.float32, torch.bfloat16) or torch.compiler.is_compiling()):
+    if not _cpu_masks(x, p, training) or x.dtype not in (torch.float32, torch.bfloat16):
         return F.dropout(x, p, training, inplace)
-    mask, scale = cpu_dropout_mask(x, p)
-    if x.dtype == torch.float32:
-        return x * mask  # mask: 0 or the scale
+    keep, scale = keep_bits(x, p)
+    if x.dtype == torch.float32:  # one multiply by a mask of 0 or the scale, forward and backward
+        return x * keep.bitwise_and_(_float32_bits(scale)).view(torch.float32)
     # bfloat16 has no exact 1 / (1 - p) (1/0.9 -> 1.109, a 0.2% bias): scale each element in
     # float32 and round it, so the error is each element's own rounding, not one shared bias.
-    return x.mul(scale).mul_(mask)  # mask: 0 or 1
+    return _Dropped.apply(x, keep, scale)
 
 
-# The bit patterns of 1.0 in bfloat16 and of a float32 scale: a mask is made by bitwise ops on
-# integers viewed as floats. PyTorch's CPU kernels for bool tensors are not vectorised: turning a
-# bool mask of 4M elements into bfloat16, or multiplying by it, took 5-9 ms against 1.3 ms for
-# these integer ops (one core, Zen 4), so a step's dropout masks no longer go through bool.
-BF16_ONE = 0x3F80
+def keep_scale(p: float) -> float:
+    """1 / (1 - p') for p' = p rounded to a multiple of 2^-15, keep_bits' drop rate."""
+    return 32768 / (32768 - round(p * 32768))
 
 
-def cpu_dropout_mask(x: Tensor, p: float) -> tuple[Tensor, float]:
+def keep_bits(x: Tensor, p: float) -> tuple[Tensor, float]:
     """A mask shaped like x that drops with probability p' = p rounded to a multiple of 2^-15
-    (0.1 -> 0.100006), and the scale 1 / (1 - p') that makes the mean of the kept values exact.
-    The mask holds 0 or 1 for bfloat16 x, 0 or the scale (as float32) for float32 x. One 64-bit
-    draw (63 random bits) gives four 15-bit uniforms; an element is dropped when its uniform is
-    below p' * 2^15."""
+    (0.1 -> 0.100006), as integers of x's width: all ones to keep, 0 to drop; and the scale
+    keep_scale(p) that makes the mean of the kept values exact. One 64-bit draw (63 random bits)
+    gives four 15-bit uniforms; an element is dropped when its uniform is below p' * 2^15.
+
+    PyTorch's CPU kernels for bool tensors are not vectorised: turning a bool mask of 4M elements
+    into bfloat16, or multiplying by it, took 5-9 ms against 1.3 ms for these integer ops (one
+    core, Zen 4). Clearing the dropped elements by their bits (x & keep) is exact, and on the
+    2-core AMX host a bfloat16 multiply over a step's cold activations took 1.6 ms where the
+    integer AND took 0.6 (4M elements)."""
     threshold = round(p * 32768)
-    scale = 32768 / (32768 - threshold)
     n = x.numel()
     bits = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device).random_()  # uniform on [0, 2^63)
     # The low 15 bits of each 16, minus the threshold, shifted arithmetically: -1 to drop, 0 to keep.
     drop = bits.view(torch.int16)[:n].bitwise_and(0x7FFF).sub_(threshold).bitwise_right_shift_(15)
     keep = drop.bitwise_not_()  # all ones to keep, 0 to drop
-    if x.dtype == torch.bfloat16:
-        mask = keep.bitwise_and_(BF16_ONE).view(torch.bfloat16)
-    else:
-        scale_bits = int(torch.tensor(scale, dtype=torch.float32).view(torch.int32))
-        mask = keep.to(torch.int32).bitwise_and_(scale_bits).view(torch.float32)
-    return mask.view(x.shape), scale
+    width = x.element_size()
+    if width != 2:
+        keep = keep.to({4: torch.int32, 8: torch.int64}[width])  # sign-extended: -1 stays all ones
+    return keep.view(x.shape), keep_scale(p)
+
+
+def _float32_bits(value: float) -> int:
+    return int(torch.tensor(value, dtype=torch.float32).view(torch.int32))
+
+
+def _cleared(x: Tensor, keep: Tensor, scale: float) -> Tensor:
+    """x * scale (a new tensor) with the elements whose keep bits are 0 set to +0."""
+    if scale == 1.0:
+        return x.view(keep.dtype).bitwise_and(keep).view(x.dtype)
+    out = x.mul(scale)
+    out.view(keep.dtype).bitwise_and_(keep)
+    return out
+
+
+class _Dropped(torch.autograd.Function):
+    """y = x * scale, 0 where keep is 0, by bits: one pass forward and one backward (plus the
+    scale's multiply when it is not 1), where multiplying by a 0-or-1 mask in x's dtype and
+    autograd's backward of it took two passes each way."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, keep: Tensor, scale: float) -> Tensor:
+        ctx.save_for_backward(keep)
+        ctx.scale = scale
+        return _cleared(x, keep, scale)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        (keep,) = ctx.saved_tensors
+        return _cleared(grad, keep, ctx.scale), None, None
+
+
+class _ReLUDropped(torch.autograd.Function):
+    """max(0, h) with the elements whose keep bits are 0 set to 0, unscaled. The output is 0
+    wherever the gradient must be (h <= 0 or dropped), so the backward is one threshold_backward
+    over it, where ReLU followed by dropout took two passes each way."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, keep: Tensor) -> Tensor:
+        out = h.clamp_min(0)
+        out.view(keep.dtype).bitwise_and_(keep)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        (out,) = ctx.saved_tensors
+        return torch.ops.aten.threshold_backward(grad, out, 0), None
+
+
+def relu_dropout(h: Tensor, p: float, training: bool) -> tuple[Tensor, float]:
+    """(dropout(max(0, h), p) / scale, scale): the hidden layer of a FFN, with the dropout's scale
+    left for the next linear layer to take in its weight (dropout_linear's in_scale), where it
+    costs a multiply over the (d_model, d_ff) weight instead of one over the activations."""
+    if not _cpu_masks(h, p, training):
+        return dropout(F.relu(h), p, training), 1.0
+    keep, scale = keep_bits(h, p)
+    return _ReLUDropped.apply(h, keep), scale
+
+
+def dropout_linear(layer: nn.Linear, x: Tensor, p: float, training: bool, in_scale: float = 1.0) -> Tensor:
+    """dropout(layer(x * in_scale), p): a sublayer's last linear layer and the dropout on its
+    output (paper 5.4). On a CPU both scales go into the weight and bias, and the mask clears
+    the dropped outputs by their bits (keep_bits): the same values up to rounding, without the
+    two passes over the activations that scaling them took forward and backward. A bfloat16
+    training step ran 1.08-1.10x as fast with this and relu_dropout (2-core AMX host,
+    docs/benchmarks.md)."""
+    if in_scale == 1.0 and (p == 0.0 or not training):  # evaluation: the layer alone
+        return layer(x)
+    if not _cpu_masks(x, p, training):
+        y = layer(x) if in_scale == 1.0 else F.linear(x, layer.weight * in_scale, layer.bias)
+        return dropout(y, p, training)
+    scale = keep_scale(p)
+    bias = None if layer.bias is None else layer.bias * scale
+    y = F.linear(x, layer.weight * (in_scale * scale), bias)
+    return _Dropped.apply(y, keep_bits(y, p)[0], 1.0)
 
 
 def logsumexp_(x: Tensor, peak: Tensor) -> Tensor:

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from mtrain.cache import BeamCache, KVCache, LayerCache
 from mtrain.config import ModelConfig
 from mtrain.errors import MtrainError
-from mtrain.kernels import Dropout, dropout
+from mtrain.kernels import Dropout, dropout, dropout_linear, relu_dropout
 
 
 def sinusoids(length: int, d_model: int) -> Tensor:
@@ -85,7 +85,8 @@ class SelfAttention(nn.Module):
         self.out = nn.Linear(d_model, d_model)  # W^O
 
     def forward(self, x: Tensor, mask: Tensor | None = None, is_causal: bool = False,
-                cache: LayerCache | None = None) -> Tensor:
+                cache: LayerCache | None = None, dropout: float = 0.0) -> Tensor:
+        """dropout: the residual dropout on the output (paper 5.4), applied in W^O (dropout_linear)."""
         B, T, D = x.shape
         # (B, T, 3, H, d_head) -> three (B, H, T, d_head) views, no copy
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
@@ -93,7 +94,7 @@ class SelfAttention(nn.Module):
             q, k, v, mask = cache.self_attention(q, k, v, mask)
         p = self.attention_dropout if self.training else 0.0
         y = attend(q, k, v, mask, p, is_causal)  # (B', H, T', d_head): a cache may fold rows
-        return self.out(y.transpose(1, 2).reshape(B, T, D))  # concat heads: (B, T, D)
+        return dropout_linear(self.out, y.transpose(1, 2).reshape(B, T, D), dropout, self.training)  # concat heads
 
 
 class CrossAttention(nn.Module):
@@ -112,7 +113,9 @@ class CrossAttention(nn.Module):
         k, v = self.kv(memory).view(B, S, 2, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
         return k, v  # each (B, H, S, d_head)
 
-    def forward(self, x: Tensor, memory: Tensor, mask: Tensor, cache: LayerCache | None = None) -> Tensor:
+    def forward(self, x: Tensor, memory: Tensor, mask: Tensor, cache: LayerCache | None = None,
+                dropout: float = 0.0) -> Tensor:
+        """dropout: the residual dropout on the output (paper 5.4), applied in W^O (dropout_linear)."""
         B, T, D = x.shape
         q = self.q(x).view(B, T, self.n_heads, D // self.n_heads).transpose(1, 2)  # (B, H, T, d_head)
         if cache is None:
@@ -121,7 +124,7 @@ class CrossAttention(nn.Module):
             q, k, v = cache.cross_attention(q, memory, self.memory_kv)
         p = self.attention_dropout if self.training else 0.0
         y = attend(q, k, v, mask, p)
-        return self.out(y.transpose(1, 2).reshape(B, T, D))
+        return dropout_linear(self.out, y.transpose(1, 2).reshape(B, T, D), dropout, self.training)
 
 
 class FeedForward(nn.Sequential):
@@ -130,6 +133,16 @@ class FeedForward(nn.Sequential):
 
     def __init__(self, d_model: int, d_ff: int, dropout: float):
         super().__init__(nn.Linear(d_model, d_ff), nn.ReLU(), Dropout(dropout), nn.Linear(d_ff, d_model))
+
+    def forward(self, x: Tensor, dropout: float = 0.0) -> Tensor:
+        """dropout: the residual dropout on the output (paper 5.4). In training the hidden layer's
+        ReLU and dropout run as one (relu_dropout) and both dropouts' scales go into W2
+        (dropout_linear); in evaluation the layers run in order, as a decoding copy fuses the ReLU
+        into the first (mtrain.quantize)."""
+        if not self.training:
+            return super().forward(x)
+        hidden, scale = relu_dropout(self[0](x), self[2].p, self.training)
+        return dropout_linear(self[3], hidden, dropout, self.training, in_scale=scale)
 
 
 def activation_dropout(cfg: ModelConfig) -> float:
@@ -149,8 +162,9 @@ class EncoderLayer(nn.Module):
         self.dropout = Dropout(cfg.dropout)
 
     def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
-        x = self.norm1(x + self.dropout(self.self_attn(x, mask=src_mask)))
-        return self.norm2(x + self.dropout(self.ffn(x)))
+        p = self.dropout.p  # each sublayer drops its own output (in its last linear layer)
+        x = self.norm1(x + self.self_attn(x, mask=src_mask, dropout=p))
+        return self.norm2(x + self.ffn(x, dropout=p))
 
 
 class DecoderLayer(nn.Module):
@@ -168,9 +182,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor, self_mask: Tensor | None = None,
                 is_causal: bool = True, cache: LayerCache | None = None) -> Tensor:
-        x = self.norm1(x + self.dropout(self.self_attn(x, mask=self_mask, is_causal=is_causal, cache=cache)))
-        x = self.norm2(x + self.dropout(self.cross_attn(x, memory, src_mask, cache=cache)))
-        return self.norm3(x + self.dropout(self.ffn(x)))
+        p = self.dropout.p  # each sublayer drops its own output (in its last linear layer)
+        x = self.norm1(x + self.self_attn(x, mask=self_mask, is_causal=is_causal, cache=cache, dropout=p))
+        x = self.norm2(x + self.cross_attn(x, memory, src_mask, cache=cache, dropout=p))
+        return self.norm3(x + self.ffn(x, dropout=p))
 
 
 class Transformer(nn.Module):

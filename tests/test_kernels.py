@@ -182,3 +182,83 @@ def test_the_logits_buffer_is_reused_and_changes_no_value_or_gradient(monkeypatc
     (first * 0.37).backward()
     (second * 0.37).backward()
     assert torch.equal(h1.grad, pooled[0][2]) and torch.equal(h2.grad, pooled[0][2])
+
+
+def keep_draw(n: int, p: float, seed: int) -> torch.Tensor:
+    """The 15-bit rule's keep decisions for n elements, drawn as keep_bits draws them, as bool."""
+    torch.manual_seed(seed)
+    bits = torch.empty((n + 3) // 4, dtype=torch.int64).random_()
+    return (bits.view(torch.int16)[:n] & 0x7FFF) >= round(p * 32768)
+
+
+@pytest.mark.parametrize("in_scale", [1.0, 1.25])
+def test_dropout_linear_is_dropout_of_the_layer(in_scale):
+    """dropout_linear(layer, x, p, in_scale) = dropout(layer(x * in_scale)) with the same draw: the
+    scales folded into the weight change values by rounding only (float64 here), and the
+    gradients by x, the weight and the bias are those of the plain composition."""
+    from mtrain.kernels import dropout_linear, keep_scale
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 5, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    layer = torch.nn.Linear(8, 6).double()
+    grad_out = torch.randn(3, 5, 6, generator=gen, dtype=torch.float64)
+    torch.manual_seed(7)
+    y = dropout_linear(layer, x, 0.3, True, in_scale)
+    (y * grad_out).sum().backward()
+    folded = y.detach(), x.grad.clone(), layer.weight.grad.clone(), layer.bias.grad.clone()
+    x.grad = layer.weight.grad = layer.bias.grad = None
+
+    keep = keep_draw(x.numel() // 8 * 6, 0.3, seed=7).view(3, 5, 6)
+    plain = layer(x * in_scale) * keep * keep_scale(0.3)
+    (plain * grad_out).sum().backward()
+    expected = plain.detach(), x.grad, layer.weight.grad, layer.bias.grad
+    for a, b in zip(folded, expected):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert (folded[0] == 0).sum() == (~keep).sum()  # dropped outputs are exactly 0
+
+
+def test_dropout_linear_in_evaluation_is_the_layer():
+    from mtrain.kernels import dropout_linear
+
+    layer, x = torch.nn.Linear(8, 6), torch.randn(4, 8)
+    assert torch.equal(dropout_linear(layer, x, 0.3, False), layer(x))
+    assert torch.equal(dropout_linear(layer, x, 0.0, True), layer(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_relu_dropout_clears_dropped_and_negative_elements_unscaled(dtype):
+    """relu_dropout gives max(0, h) where kept and 0 where dropped, unscaled, with the scale for
+    the next layer; its gradient passes exactly where the output is positive."""
+    from mtrain.kernels import keep_scale, relu_dropout
+
+    h = torch.randn(50, 40, generator=torch.Generator().manual_seed(2)).to(dtype).requires_grad_()
+    torch.manual_seed(11)
+    out, scale = relu_dropout(h, 0.25, True)
+    keep = keep_draw(h.numel(), 0.25, seed=11).view(50, 40)
+    assert scale == keep_scale(0.25)
+    assert out.dtype == dtype and torch.equal(out, torch.where(keep, h.detach().clamp_min(0), 0).to(dtype))
+    grad = torch.randn(50, 40).to(dtype)
+    out.backward(grad)
+    assert torch.equal(h.grad, torch.where(keep & (h.detach() > 0), grad, 0).to(dtype))
+    evaluated, scale = relu_dropout(h, 0.25, False)
+    assert torch.equal(evaluated, torch.relu(h)) and scale == 1.0
+
+
+def test_feed_forward_in_training_is_relu_dropout_linear_dropout():
+    """The FFN's training path (ReLU and dropout in one, both scales in W2) equals the module
+    sequence ReLU, Dropout, Linear, then the residual dropout, with the same two draws."""
+    from mtrain.kernels import keep_scale
+    from mtrain.model import FeedForward
+
+    torch.manual_seed(0)
+    ffn = FeedForward(8, 16, dropout=0.2).double().train()
+    x = torch.randn(4, 3, 8, dtype=torch.float64)
+    torch.manual_seed(5)
+    y = ffn(x, dropout=0.1)
+    hidden_keep = keep_draw(4 * 3 * 16, 0.2, seed=5).view(4, 3, 16)
+    bits = torch.empty(4 * 3 * 8 // 4 + 1, dtype=torch.int64).random_()  # the second draw follows the first
+    out_keep = ((bits.view(torch.int16)[: 4 * 3 * 8] & 0x7FFF) >= round(0.1 * 32768)).view(4, 3, 8)
+    hidden = torch.relu(ffn[0](x)) * hidden_keep * keep_scale(0.2)
+    expected = ffn[3](hidden) * out_keep * keep_scale(0.1)
+    torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
+    assert torch.equal(ffn.eval()(x), ffn[3](torch.relu(ffn[0](x))))
