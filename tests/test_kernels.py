@@ -129,6 +129,15 @@ def test_objective_loss_is_the_plain_loss_of_the_model_logits():
 
 # ---------------------------------------------------------------- dropout
 
+def keep_draw(n: int, p: float, seed: int | None = None) -> torch.Tensor:
+    """The 15-bit rule's keep decisions for n elements, drawn as keep_bits draws them, as bool:
+    from torch's generator seeded with `seed`, or where it stands when seed is None."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    bits = torch.empty((n + 3) // 4, dtype=torch.int64).random_()
+    return (bits.view(torch.int16)[:n] & 0x7FFF) >= round(p * 32768)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dropout_mask_is_the_15_bit_rule_without_bool_tensors(dtype):
     """The same draw as the bool version of the rule (keep when the 15-bit uniform is at least
@@ -137,10 +146,7 @@ def test_dropout_mask_is_the_15_bit_rule_without_bool_tensors(dtype):
     x = (torch.rand(10_001) + 0.5).to(dtype)
     torch.manual_seed(3)
     y = Dropout(0.1).train()(x)
-    torch.manual_seed(3)
-    n, threshold = x.numel(), round(0.1 * 32768)
-    bits = torch.empty((n + 3) // 4, dtype=torch.int64).random_()
-    keep = (bits.view(torch.int16)[:n] & 0x7FFF) >= threshold
+    keep, threshold = keep_draw(x.numel(), 0.1, seed=3), round(0.1 * 32768)
     scale = 32768 / (32768 - threshold)
     if dtype == torch.float32:
         expected = x * keep.to(dtype).mul_(scale)
@@ -182,13 +188,6 @@ def test_the_logits_buffer_is_reused_and_changes_no_value_or_gradient(monkeypatc
     (first * 0.37).backward()
     (second * 0.37).backward()
     assert torch.equal(h1.grad, pooled[0][2]) and torch.equal(h2.grad, pooled[0][2])
-
-
-def keep_draw(n: int, p: float, seed: int) -> torch.Tensor:
-    """The 15-bit rule's keep decisions for n elements, drawn as keep_bits draws them, as bool."""
-    torch.manual_seed(seed)
-    bits = torch.empty((n + 3) // 4, dtype=torch.int64).random_()
-    return (bits.view(torch.int16)[:n] & 0x7FFF) >= round(p * 32768)
 
 
 @pytest.mark.parametrize("in_scale", [1.0, 1.25])
@@ -256,8 +255,7 @@ def test_feed_forward_in_training_is_relu_dropout_linear_dropout():
     torch.manual_seed(5)
     y = ffn(x, dropout=0.1)
     hidden_keep = keep_draw(4 * 3 * 16, 0.2, seed=5).view(4, 3, 16)
-    bits = torch.empty(4 * 3 * 8 // 4 + 1, dtype=torch.int64).random_()  # the second draw follows the first
-    out_keep = ((bits.view(torch.int16)[: 4 * 3 * 8] & 0x7FFF) >= round(0.1 * 32768)).view(4, 3, 8)
+    out_keep = keep_draw(4 * 3 * 8, 0.1).view(4, 3, 8)  # the second draw follows the first
     hidden = torch.relu(ffn[0](x)) * hidden_keep * keep_scale(0.2)
     expected = ffn[3](hidden) * out_keep * keep_scale(0.1)
     torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
