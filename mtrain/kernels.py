@@ -60,13 +60,26 @@ def keep_bits(x: Tensor, p: float) -> tuple[Tensor, float]:
     threshold = round(p * 32768)
     n = x.numel()
     bits = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device).random_()  # uniform on [0, 2^63)
-    # The low 15 bits of each 16, minus the threshold, shifted arithmetically: -1 to drop, 0 to keep.
-    drop = bits.view(torch.int16)[:n].bitwise_and(0x7FFF).sub_(threshold).bitwise_right_shift_(15)
-    keep = drop.bitwise_not_()  # all ones to keep, 0 to drop
+    # The compare runs on whole 64-bit words, four 16-bit lanes at a time: each lane's low 15 bits
+    # u plus 2^15 - threshold stays below 2^16, so no lane carries into the next, and the lane's
+    # top bit is set exactly when u >= threshold. An arithmetic shift spreads that bit over the
+    # lane: -1 (all ones) to keep, 0 to drop. Two in-place passes over the words and one over the
+    # lanes, where four int16 passes and a new tensor cost 1.017x in a bfloat16 training step.
+    lanes = bits.bitwise_and_(_LOW_15_BITS).add_(_in_lanes(32768 - threshold)).view(torch.int16)[:n]
+    keep = lanes.bitwise_right_shift_(15)
     width = x.element_size()
     if width != 2:
         keep = keep.to({4: torch.int32, 8: torch.int64}[width])  # sign-extended: -1 stays all ones
     return keep.view(x.shape), keep_scale(p)
+
+
+_LOW_15_BITS = 0x7FFF_7FFF_7FFF_7FFF  # of each 16-bit lane of an int64 word
+
+
+def _in_lanes(value: int) -> int:
+    """value (0..2^15) in each of an int64 word's four 16-bit lanes, as a signed int64."""
+    word = value * 0x0001_0001_0001_0001
+    return word - (1 << 64) if word >= 1 << 63 else word
 
 
 def _float32_bits(value: float) -> int:

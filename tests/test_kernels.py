@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mtrain import loss as loss_module
-from mtrain.kernels import Dropout
+from mtrain.kernels import Dropout, keep_bits
 from mtrain.loss import label_smoothed_loss, projected_label_smoothed_loss
 
 
@@ -153,6 +153,21 @@ def test_dropout_mask_is_the_15_bit_rule_without_bool_tensors(dtype):
     else:
         expected = x.mul(scale).mul_(keep)
     assert y.dtype == dtype and torch.equal(y, expected)
+
+
+@pytest.mark.parametrize("p", [0.0, 1 / 32768, 0.1, 0.5, 32766 / 32768, 32767 / 32768])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_keep_bits_compares_every_lane_on_its_own(dtype, p):
+    """keep_bits compares four 15-bit uniforms per 64-bit word at once; at the thresholds where a
+    carry between lanes would show (0, 1 and 2^15 - 1), its mask is the rule's, element by element,
+    with all ones (-1) to keep and 0 to drop, in integers of x's width."""
+    x = torch.empty(4 * 1001 + 3, dtype=dtype)  # a last, partly used word
+    torch.manual_seed(13)
+    keep, scale = keep_bits(x, p)
+    expected = keep_draw(x.numel(), p, seed=13)
+    assert keep.dtype == {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    assert torch.equal(keep, expected.to(keep.dtype).neg_())
+    assert scale == 32768 / (32768 - round(p * 32768))
 
 
 def test_the_logits_buffer_is_reused_and_changes_no_value_or_gradient(monkeypatch):
