@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from mtrain.cache import BeamCache, KVCache, LayerCache
 from mtrain.config import ModelConfig
 from mtrain.errors import MtrainError
-from mtrain.kernels import Dropout, dropout, dropout_linear, relu_dropout
+from mtrain.kernels import Dropout, dropout, dropout_linear, linear, linear_relu_dropout
 
 
 def sinusoids(length: int, d_model: int) -> Tensor:
@@ -89,7 +89,7 @@ class SelfAttention(nn.Module):
         """dropout: the residual dropout on the output (paper 5.4), applied in W^O (dropout_linear)."""
         B, T, D = x.shape
         # (B, T, 3, H, d_head) -> three (B, H, T, d_head) views, no copy
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
+        q, k, v = linear(self.qkv, x, self.training).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
         if cache is not None:
             q, k, v, mask = cache.self_attention(q, k, v, mask)
         p = self.attention_dropout if self.training else 0.0
@@ -110,14 +110,14 @@ class CrossAttention(nn.Module):
 
     def memory_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         B, S, D = memory.shape
-        k, v = self.kv(memory).view(B, S, 2, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
+        k, v = linear(self.kv, memory, self.training).view(B, S, 2, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
         return k, v  # each (B, H, S, d_head)
 
     def forward(self, x: Tensor, memory: Tensor, mask: Tensor, cache: LayerCache | None = None,
                 dropout: float = 0.0) -> Tensor:
         """dropout: the residual dropout on the output (paper 5.4), applied in W^O (dropout_linear)."""
         B, T, D = x.shape
-        q = self.q(x).view(B, T, self.n_heads, D // self.n_heads).transpose(1, 2)  # (B, H, T, d_head)
+        q = linear(self.q, x, self.training).view(B, T, self.n_heads, D // self.n_heads).transpose(1, 2)  # (B, H, T, d_head)
         if cache is None:
             k, v = self.memory_kv(memory)
         else:  # K/V computed on the first cached call, then reused for every step of the sentence
@@ -135,13 +135,13 @@ class FeedForward(nn.Sequential):
         super().__init__(nn.Linear(d_model, d_ff), nn.ReLU(), Dropout(dropout), nn.Linear(d_ff, d_model))
 
     def forward(self, x: Tensor, dropout: float = 0.0) -> Tensor:
-        """dropout: the residual dropout on the output (paper 5.4). In training the hidden layer's
-        ReLU and dropout run as one (relu_dropout) and both dropouts' scales go into W2
-        (dropout_linear); in evaluation the layers run in order, as a decoding copy fuses the ReLU
+        """dropout: the residual dropout on the output (paper 5.4). In training the first layer,
+        its ReLU and the hidden dropout run as one (linear_relu_dropout) and both dropouts' scales
+        go into W2 (dropout_linear); in evaluation the layers run in order, as a decoding copy fuses the ReLU
         into the first (mtrain.quantize)."""
         if not self.training:
             return super().forward(x)
-        hidden, scale = relu_dropout(self[0](x), self[2].p, self.training)
+        hidden, scale = linear_relu_dropout(self[0], x, self[2].p, self.training)
         return dropout_linear(self[3], hidden, dropout, self.training, in_scale=scale)
 
 

@@ -275,3 +275,62 @@ def test_feed_forward_in_training_is_relu_dropout_linear_dropout():
     expected = ffn[3](hidden) * out_keep * keep_scale(0.1)
     torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
     assert torch.equal(ffn.eval()(x), ffn[3](torch.relu(ffn[0](x))))
+
+
+def _onednn_case(dtype, relu: bool, p: float):
+    """(y, grads by x, W, b) of the kernels' training linear layer for float32 inputs computed in
+    dtype (under autocast for bfloat16), and the same composition in float64 with the same draw."""
+    from mtrain.kernels import dropout_linear, keep_scale, linear, linear_relu_dropout
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 7, 16, generator=gen).requires_grad_()
+    layer = torch.nn.Linear(16, 24)
+    grad_out = torch.randn(5, 7, 24, generator=gen)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+    torch.manual_seed(9)
+    with autocast:
+        if relu:
+            y, scale = linear_relu_dropout(layer, x, p, True)
+        elif p:
+            y, scale = dropout_linear(layer, x, p, True), 1.0
+        else:
+            y, scale = linear(layer, x, True), 1.0
+    (y.float() * grad_out).sum().backward()
+    got = y.detach().double(), x.grad.double(), layer.weight.grad.double(), layer.bias.grad.double()
+    assert y.dtype == dtype and layer.weight.grad.dtype == torch.float32  # autocast's dtypes
+
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, layer.weight, layer.bias))
+    keep = keep_draw(5 * 7 * 24, p, seed=9).view(5, 7, 24) if p else torch.ones(5, 7, 24, dtype=torch.bool)
+    y64 = torch.nn.functional.linear(x64, w64, b64)
+    if relu:
+        assert scale == (keep_scale(p) if p else 1.0)
+        # The gradient passes where the layer's own output is positive: an output within rounding
+        # of 0 may fall on either side of the ReLU in float64 and in bfloat16.
+        passed = got[0] > 0
+        assert torch.equal(passed, keep & (y64 > 0)) or (y64[passed != (keep & (y64 > 0))].abs() < 0.02).all()
+        value = torch.relu(y64.detach()) * keep
+        y64 = y64 * passed
+    else:
+        y64 = value = y64 * keep * (keep_scale(p) if p else 1.0)
+    (y64 * grad_out.double()).sum().backward()
+    return got, (value.detach(), x64.grad, w64.grad, b64.grad), keep
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("relu, p", [(False, 0.0), (False, 0.3), (True, 0.0), (True, 0.25)])
+def test_onednn_training_linear_is_the_plain_composition(dtype, relu, p):
+    """In training on a CPU the linear layers run through oneDNN with the bias, the ReLU and the
+    dropout mask applied to the matmul's output: output and gradients by x, W and b are those of
+    linear -> (ReLU) -> dropout in float64 with the same draw, to the dtype's rounding; dropped and
+    negative outputs are exactly 0, and the gradient passes nowhere else."""
+    from mtrain.kernels import onednn_linear_runs
+
+    if not onednn_linear_runs(dtype):
+        pytest.skip(f"oneDNN's {dtype} linear does not run on this CPU")
+    got, expected, keep = _onednn_case(dtype, relu, p)
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
+    for a, b in zip(got, expected):
+        assert (a - b).abs().max() <= tolerance * b.abs().max()
+    assert (got[0][~keep] == 0).all()  # dropped outputs are exactly 0
+    if relu:
+        assert (got[0] >= 0).all()
