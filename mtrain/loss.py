@@ -174,24 +174,24 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
             logits, ctx.buffer = _project(h, w)  # (N rounded up, V); the rows from n on are zero and stay out of the loss
         wide = torch.float64 if dtype == torch.float64 else torch.float32
         vocab = logits.size(1)
-        lse = torch.empty(n, dtype=wide, device=logits.device)
-        loss_sum = logits.new_zeros((), dtype=wide)
-        nll_sum = logits.new_zeros((), dtype=wide)
+        peak, lse = logits.new_empty(n, 1, dtype=wide), logits.new_empty(n, dtype=wide)
+        mean = logits.new_empty(n, dtype=wide) if eps else None
         chunks = _row_chunks(n, vocab)
         # Logits already wide are read in place, and exp works in one chunk's scratch; narrower ones
-        # are upcast chunk by chunk into a copy that exp then overwrites.
+        # are upcast chunk by chunk into a copy that exp then overwrites. Each chunk's reductions go
+        # straight into the per-row tensors (out=), and the sums over rows follow the loop: about
+        # 60 chunks a step, each of which had cost some 20 small ops.
         scratch = logits.new_empty(chunks[0].stop * vocab) if chunks and logits.dtype == wide else None
         for rows in chunks:
             x = logits[rows] if scratch is not None else logits[rows].to(wide, copy=True)
-            picked = x.gather(1, target[rows, None]).squeeze(1)
-            mean = x.mean(dim=1) if eps else None
-            peak = x.amax(dim=1, keepdim=True)
-            shifted = x.sub_(peak) if scratch is None else torch.sub(x, peak, out=scratch[: x.numel()].view_as(x))
-            chunk_lse = shifted.exp_().sum(dim=1).log_().add_(peak.squeeze(1))
-            lse[rows] = chunk_lse
-            nll = (chunk_lse - picked).sum()
-            nll_sum += nll
-            loss_sum += nll if mean is None else (1.0 - eps) * nll + eps * (chunk_lse - mean).sum()
+            torch.amax(x, 1, keepdim=True, out=peak[rows])
+            if eps:
+                torch.mean(x, 1, out=mean[rows])
+            shifted = x.sub_(peak[rows]) if scratch is None else torch.sub(x, peak[rows], out=scratch[: x.numel()].view_as(x))
+            torch.sum(shifted.exp_(), 1, out=lse[rows])
+        lse.log_().add_(peak.squeeze(1))
+        nll_sum = (lse - logits[:n].gather(1, target[:, None]).squeeze(1)).sum()  # the upcast is exact
+        loss_sum = nll_sum.clone() if mean is None else (1.0 - eps) * nll_sum + eps * (lse - mean).sum()  # clone: nll_sum is non-differentiable
         ctx.save_for_backward(h, w, logits, lse, target)
         ctx.eps, ctx.dtypes, ctx.spent = eps, (states.dtype, weight.dtype), False
         ctx.mark_non_differentiable(nll_sum)
@@ -207,13 +207,24 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         n, vocab = lse.size(0), logits.size(1)
         logits[n:] = 0  # the padding rows' gradient: zero, so they add nothing to either matmul below
         wide = logits.dtype == lse.dtype  # then the gradient is made in place, with no copy either way
-        for rows in _row_chunks(n, vocab):
+        chunks = _row_chunks(n, vocab)
+        if chunks:
+            # g * softmax(x) = exp(x - (lse - log g)) for g > 0, one multiply fewer per element.
+            scaled = bool(g > 0)
+            shift = (lse - g.log() if scaled else lse)[:, None]
+            rows_per_chunk = chunks[0].stop
+            # each row's target, as an index into its chunk's flat gradient
+            picked = torch.arange(n, device=lse.device).remainder_(rows_per_chunk).mul_(vocab).add_(target)
+            minus_picked = (-(1.0 - eps) * g).expand(rows_per_chunk)
+            floor = g * (eps / vocab)
+        for rows in chunks:
             x = logits[rows] if wide else logits[rows].to(lse.dtype, copy=True)
-            grad = x.sub_(lse[rows, None]).exp_().mul_(g)  # g * softmax(x)
+            grad = x.sub_(shift[rows]).exp_()
+            if not scaled:
+                grad.mul_(g)
             if eps:
-                grad.sub_(g * (eps / vocab))
-            picked = torch.arange(grad.size(0), device=grad.device)
-            grad[picked, target[rows]] -= g * (1.0 - eps)
+                grad.sub_(floor)
+            grad.view(-1).index_add_(0, picked[rows], minus_picked[: grad.size(0)])
             if not wide:
                 logits[rows] = grad  # rounded to the logits' dtype, in place
         with torch.autocast(h.device.type, enabled=False):

@@ -21,25 +21,26 @@ def problem(n: int, d: int, vocab: int, dtype=torch.float64, seed: int = 0):
     return states, weight, target
 
 
-def both(states, weight, target, eps, fused: bool, autocast: bool = False):
+def both(states, weight, target, eps, fused: bool, autocast: bool = False, scale: float = 0.37):
     h, w = states.clone().requires_grad_(), weight.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         if fused:
             loss, nll = projected_label_smoothed_loss(h, w, target, eps)
         else:
             loss, nll = label_smoothed_loss(h @ w.t(), target, eps)
-    (loss * 0.37).backward()  # a gradient scale other than 1, as forward_backward's 1/tokens
+    (loss * scale).backward()  # a gradient scale other than 1, as forward_backward's 1/tokens
     return loss.detach(), nll.detach(), h.grad, w.grad
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 @pytest.mark.parametrize("chunk_bytes", [4 * 13 * 3, 1 << 21], ids=["3-row-chunks", "one-chunk"])
 @pytest.mark.parametrize("row_multiple", [1, 7, 64], ids=["unpadded", "pad-to-21", "pad-to-64"])
-def test_fused_projection_and_loss_equal_the_plain_ones(monkeypatch, eps, chunk_bytes, row_multiple):
+@pytest.mark.parametrize("scale", [0.37, -0.37, 0.0], ids=["grad>0", "grad<0", "grad=0"])
+def test_fused_projection_and_loss_equal_the_plain_ones(monkeypatch, eps, chunk_bytes, row_multiple, scale):
     monkeypatch.setattr(loss_module, "CHUNK_BYTES", chunk_bytes)
     monkeypatch.setattr(loss_module, "ROW_MULTIPLE", row_multiple)
     states, weight, target = problem(n=20, d=6, vocab=13)  # 20 rows: 3-row chunks leave a ragged last one
-    fused, plain = both(states, weight, target, eps, True), both(states, weight, target, eps, False)
+    fused, plain = both(states, weight, target, eps, True, scale=scale), both(states, weight, target, eps, False, scale=scale)
     for a, b in zip(fused, plain):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
