@@ -280,11 +280,12 @@ def time_models(steps: dict[str, tuple[Callable, nn.Module, list[Batch]]], round
 # Anchors: an op under one of these (by name, anywhere up its call tree) counts as that part.
 # Names are compared lowercased without underscores (forward ops and their backward nodes alike).
 # Attention is SDPA, or (bfloat16 on a CPU, mtrain.model.bfloat16_attention) batched matmuls and a
-# softmax, which nothing else in a step uses: the linear layers and the projection run addmm and mm.
+# softmax, which nothing else in a step uses: the linear layers run oneDNN's linear (its bias and the
+# FFN's ReLU fused in; mtrain.kernels) or addmm, their backward and the projection mm.
 ATTENTION = "attention (SDPA; bf16: bmm, softmax)"
 ANCHORS = [("optimizer.step", "Adam step"), ("smoothedcrossentropy", "loss: softmax, exp, sums (N x V)"),
            ("scaleddotproduct", ATTENTION), ("bmm", ATTENTION), ("softmax", ATTENTION), ("layernorm", "layer norm")]
-MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise")
 # Ops outside an anchor, by name.
 OPS = [(MATMULS, "matmuls (linear layers)"),
        (("aten::copy_", "aten::_to_copy"), "dtype casts (autocast, mixed-dtype sums)"),
