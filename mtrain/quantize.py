@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from mtrain.errors import MtrainError
+from mtrain.kernels import onednn_linear_runs
 
 QUANTIZE_MODES = ("off", "int8")
 
@@ -161,12 +162,7 @@ class OneDNNLinear(nn.Linear):
 def _has_onednn_linear() -> bool:
     """Whether oneDNN's bfloat16 linear runs here: its kernels refuse CPUs without AVX-512 (or
     AVX-NE-CONVERT), where nn.Linear's own bfloat16 path stays."""
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
-        return False
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+    return onednn_linear_runs(torch.bfloat16)
 
 
 def _onednn_linears(model: nn.Module) -> None:
