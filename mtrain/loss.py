@@ -209,9 +209,6 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         wide = logits.dtype == lse.dtype  # then the gradient is made in place, with no copy either way
         chunks = _row_chunks(n, vocab)
         if chunks:
-            # g * softmax(x) = exp(x - (lse - log g)) for g > 0, one multiply fewer per element.
-            scaled = bool(g > 0)
-            shift = (lse - g.log() if scaled else lse)[:, None]
             rows_per_chunk = chunks[0].stop
             # each row's target, as an index into its chunk's flat gradient
             picked = torch.arange(n, device=lse.device).remainder_(rows_per_chunk).mul_(vocab).add_(target)
@@ -219,9 +216,7 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
             floor = g * (eps / vocab)
         for rows in chunks:
             x = logits[rows] if wide else logits[rows].to(lse.dtype, copy=True)
-            grad = x.sub_(shift[rows]).exp_()
-            if not scaled:
-                grad.mul_(g)
+            grad = x.sub_(lse[rows, None]).exp_().mul_(g)  # g * softmax(x)
             if eps:
                 grad.sub_(floor)
             grad.view(-1).index_add_(0, picked[rows], minus_picked[: grad.size(0)])
