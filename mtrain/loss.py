@@ -98,8 +98,13 @@ CHUNK_BYTES = 1 << 21  # float32 logits per chunk: ~1 MiB per thread of 2, a Zen
 ROW_MULTIPLE = 64
 
 
+def _chunk_rows(vocab: int) -> int:
+    """Rows of float32 logits per chunk."""
+    return max(1, CHUNK_BYTES // (4 * vocab))
+
+
 def _row_chunks(n: int, vocab: int) -> list[slice]:
-    rows = max(1, CHUNK_BYTES // (4 * vocab))
+    rows = _chunk_rows(vocab)
     return [slice(start, min(start + rows, n)) for start in range(0, n, rows)]
 
 
@@ -176,13 +181,12 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         vocab = logits.size(1)
         peak, lse = logits.new_empty(n, 1, dtype=wide), logits.new_empty(n, dtype=wide)
         mean = logits.new_empty(n, dtype=wide) if eps else None
-        chunks = _row_chunks(n, vocab)
         # Logits already wide are read in place, and exp works in one chunk's scratch; narrower ones
         # are upcast chunk by chunk into a copy that exp then overwrites. Each chunk's reductions go
         # straight into the per-row tensors (out=), and the sums over rows follow the loop: about
         # 60 chunks a step, each of which had cost some 20 small ops.
-        scratch = logits.new_empty(chunks[0].stop * vocab) if chunks and logits.dtype == wide else None
-        for rows in chunks:
+        scratch = logits.new_empty(min(n, _chunk_rows(vocab)) * vocab) if logits.dtype == wide else None
+        for rows in _row_chunks(n, vocab):
             x = logits[rows] if scratch is not None else logits[rows].to(wide, copy=True)
             torch.amax(x, 1, keepdim=True, out=peak[rows])
             if eps:
@@ -191,7 +195,8 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
             torch.sum(shifted.exp_(), 1, out=lse[rows])
         lse.log_().add_(peak.squeeze(1))
         nll_sum = (lse - logits[:n].gather(1, target[:, None]).squeeze(1)).sum()  # the upcast is exact
-        loss_sum = nll_sum.clone() if mean is None else (1.0 - eps) * nll_sum + eps * (lse - mean).sum()  # clone: nll_sum is non-differentiable
+        # a separate output (clone): nll_sum is marked non-differentiable
+        loss_sum = nll_sum.clone() if mean is None else (1.0 - eps) * nll_sum + eps * (lse - mean).sum()
         ctx.save_for_backward(h, w, logits, lse, target)
         ctx.eps, ctx.dtypes, ctx.spent = eps, (states.dtype, weight.dtype), False
         ctx.mark_non_differentiable(nll_sum)
@@ -207,14 +212,12 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         n, vocab = lse.size(0), logits.size(1)
         logits[n:] = 0  # the padding rows' gradient: zero, so they add nothing to either matmul below
         wide = logits.dtype == lse.dtype  # then the gradient is made in place, with no copy either way
-        chunks = _row_chunks(n, vocab)
-        if chunks:
-            rows_per_chunk = chunks[0].stop
-            # each row's target, as an index into its chunk's flat gradient
-            picked = torch.arange(n, device=lse.device).remainder_(rows_per_chunk).mul_(vocab).add_(target)
-            minus_picked = (-(1.0 - eps) * g).expand(rows_per_chunk)
-            floor = g * (eps / vocab)
-        for rows in chunks:
+        rows_per_chunk = _chunk_rows(vocab)
+        # each row's target, as an index into its chunk's flat gradient
+        picked = torch.arange(n, device=lse.device).remainder_(rows_per_chunk).mul_(vocab).add_(target)
+        minus_picked = (-(1.0 - eps) * g).expand(rows_per_chunk)
+        floor = g * (eps / vocab)
+        for rows in _row_chunks(n, vocab):
             x = logits[rows] if wide else logits[rows].to(lse.dtype, copy=True)
             grad = x.sub_(lse[rows, None]).exp_().mul_(g)  # g * softmax(x)
             if eps:
