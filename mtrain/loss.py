@@ -154,6 +154,24 @@ def _project(h: Tensor, w: Tensor) -> tuple[Tensor, Tensor | None]:
     return torch.mm(h, w.t(), out=logits), buffer
 
 
+# A row's log sum exp(x) taken without its maximum subtracted is exact up to rounding while every
+# term that matters is a normal float32: float32 exp overflows above 88.7 and leaves the normal range
+# below -87.3, and the terms that move a sum of e^-60 by float32's 2^-24 (over 8000 tokens: down to
+# e^-86) are normal. Rows outside [-60, 80] (a model's logits rarely are) are summed again shifted.
+PLAIN_LSE_RANGE = (-60.0, 80.0)
+
+
+def _shifted_where_out_of_range(lse: Tensor, logits: Tensor) -> None:
+    """In place: each row's log-sum-exp outside PLAIN_LSE_RANGE (or not finite) recomputed from
+    its logits with the row maximum subtracted first."""
+    low, high = PLAIN_LSE_RANGE
+    rows = (~((lse >= low) & (lse <= high))).nonzero().squeeze(1)
+    if rows.numel():
+        x = logits[rows].to(lse.dtype)
+        peak = x.amax(1, keepdim=True)
+        lse[rows] = x.sub_(peak).exp_().sum(1).log_().add_(peak.squeeze(1))
+
+
 class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
     """The vocabulary projection and the loss of _SmoothedCrossEntropy with one (N, V) tensor.
 
@@ -179,21 +197,22 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
             logits, ctx.buffer = _project(h, w)  # (N rounded up, V); the rows from n on are zero and stay out of the loss
         wide = torch.float64 if dtype == torch.float64 else torch.float32
         vocab = logits.size(1)
-        peak, lse = logits.new_empty(n, 1, dtype=wide), logits.new_empty(n, dtype=wide)
+        lse = logits.new_empty(n, dtype=wide)
         mean = logits.new_empty(n, dtype=wide) if eps else None
-        # Logits already wide are read in place, and exp works in one chunk's scratch; narrower ones
-        # are upcast chunk by chunk into a copy that exp then overwrites. Each chunk's reductions go
-        # straight into the per-row tensors (out=), and the sums over rows follow the loop: about
-        # 60 chunks a step, each of which had cost some 20 small ops.
+        # Logits already wide are read in place, and exp writes into one chunk's scratch; narrower
+        # ones are upcast chunk by chunk into a copy that exp then overwrites. Each chunk's
+        # reductions go straight into the per-row tensors (out=), and the sums over rows follow the
+        # loop: about 60 chunks a step, each of which had cost some 20 small ops. The sums of exp
+        # take no maximum out first: rows where that could over- or underflow are summed again
+        # with it (_shifted_where_out_of_range), and the two passes it costs per chunk are saved.
         scratch = logits.new_empty(min(n, _chunk_rows(vocab)) * vocab) if logits.dtype == wide else None
         for rows in _row_chunks(n, vocab):
             x = logits[rows] if scratch is not None else logits[rows].to(wide, copy=True)
-            torch.amax(x, 1, keepdim=True, out=peak[rows])
             if eps:
                 torch.mean(x, 1, out=mean[rows])
-            shifted = x.sub_(peak[rows]) if scratch is None else torch.sub(x, peak[rows], out=scratch[: x.numel()].view_as(x))
-            torch.sum(shifted.exp_(), 1, out=lse[rows])
-        lse.log_().add_(peak.squeeze(1))
+            exps = x.exp_() if scratch is None else torch.exp(x, out=scratch[: x.numel()].view_as(x))
+            torch.sum(exps, 1, out=lse[rows])
+        _shifted_where_out_of_range(lse.log_(), logits[:n])
         nll_sum = (lse - logits[:n].gather(1, target[:, None]).squeeze(1)).sum()  # the upcast is exact
         # a separate output (clone): nll_sum is marked non-differentiable
         loss_sum = nll_sum.clone() if mean is None else (1.0 - eps) * nll_sum + eps * (lse - mean).sum()

@@ -45,6 +45,25 @@ def test_fused_projection_and_loss_equal_the_plain_ones(monkeypatch, eps, chunk_
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("shift", [300.0, 85.0, -70.0, -300.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_loss_holds_where_plain_sums_of_exp_would_not(dtype, shift):
+    """The forward sums exp(logits) without the row maximum taken out. Rows moved by `shift` (every
+    logit of the row) out of PLAIN_LSE_RANGE are summed again with it: at +300 float32's exp
+    overflows and at -300 it is 0 (without the second sum both give inf or NaN), at +85 and -70 the
+    plain sum would still hold. Loss, NLL and gradients are the plain (log_softmax) loss's, in
+    every row."""
+    states, weight, target = problem(n=6, d=5, vocab=9, dtype=dtype)
+    weight[:, -1] = 1.0  # the last feature adds the same amount to every logit of a row
+    states[2, -1], states[4, -1] = shift, -0.5 * shift
+    fused, plain = both(states, weight, target, 0.1, True), both(states, weight, target, 0.1, False)
+    # float32's exp(x - lse) loses |x| * 2^-24 in the subtraction, with or without the shifted sum
+    tol = 1e-5 * max(1.0, abs(shift) / 8) if dtype == torch.float32 else 1e-12
+    for a, b in zip(fused, plain):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.abs().max().item())
+
+
 def test_projection_matmuls_see_row_counts_rounded_up():
     """Every matmul of the fused loss, forward and backward, has a multiple of ROW_MULTIPLE rows in
     the token dimension, whatever the token count: so a run meets a bounded set of shapes."""
