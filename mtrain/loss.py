@@ -161,6 +161,11 @@ def _project(h: Tensor, w: Tensor) -> tuple[Tensor, Tensor | None]:
 PLAIN_LSE_RANGE = (-60.0, 80.0)
 
 
+def _plain_sums(device: torch.device) -> bool:
+    """Whether the loss sums exp(logits) without the row maxima (on a CPU)."""
+    return device.type == "cpu"
+
+
 def _shifted_where_out_of_range(lse: Tensor, logits: Tensor) -> None:
     """In place: each row's log-sum-exp outside PLAIN_LSE_RANGE (or not finite) recomputed from
     its logits with the row maximum subtracted first."""
@@ -202,17 +207,27 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         # Logits already wide are read in place, and exp writes into one chunk's scratch; narrower
         # ones are upcast chunk by chunk into a copy that exp then overwrites. Each chunk's
         # reductions go straight into the per-row tensors (out=), and the sums over rows follow the
-        # loop: about 60 chunks a step, each of which had cost some 20 small ops. The sums of exp
-        # take no maximum out first: rows where that could over- or underflow are summed again
-        # with it (_shifted_where_out_of_range), and the two passes it costs per chunk are saved.
+        # loop: about 60 chunks a step, each of which had cost some 20 small ops. On a CPU the sums
+        # of exp take no maximum out first, which saves two passes per chunk: rows where that could
+        # over- or underflow are summed again with it (_shifted_where_out_of_range). Elsewhere the
+        # maxima go first, as finding those rows would stop the host until the device catches up.
+        peak = None if _plain_sums(logits.device) else logits.new_empty(n, 1, dtype=wide)
         scratch = logits.new_empty(min(n, _chunk_rows(vocab)) * vocab) if logits.dtype == wide else None
         for rows in _row_chunks(n, vocab):
             x = logits[rows] if scratch is not None else logits[rows].to(wide, copy=True)
             if eps:
                 torch.mean(x, 1, out=mean[rows])
-            exps = x.exp_() if scratch is None else torch.exp(x, out=scratch[: x.numel()].view_as(x))
+            exps = x if scratch is None else scratch[: x.numel()].view_as(x)
+            if peak is None:
+                torch.exp(x, out=exps)
+            else:
+                torch.amax(x, 1, keepdim=True, out=peak[rows])
+                torch.sub(x, peak[rows], out=exps).exp_()
             torch.sum(exps, 1, out=lse[rows])
-        _shifted_where_out_of_range(lse.log_(), logits[:n])
+        if peak is None:
+            _shifted_where_out_of_range(lse.log_(), logits[:n])
+        else:
+            lse.log_().add_(peak.squeeze(1))
         nll_sum = (lse - logits[:n].gather(1, target[:, None]).squeeze(1)).sum()  # the upcast is exact
         # a separate output (clone): nll_sum is marked non-differentiable
         loss_sum = nll_sum.clone() if mean is None else (1.0 - eps) * nll_sum + eps * (lse - mean).sum()
