@@ -170,8 +170,10 @@ def _shifted_where_out_of_range(lse: Tensor, logits: Tensor) -> None:
     """In place: each row's log-sum-exp outside PLAIN_LSE_RANGE (or not finite) recomputed from
     its logits with the row maximum subtracted first."""
     low, high = PLAIN_LSE_RANGE
-    rows = (~((lse >= low) & (lse <= high))).nonzero().squeeze(1)
-    if rows.numel():
+    redo = (~((lse >= low) & (lse <= high))).nonzero().squeeze(1)
+    step = _chunk_rows(logits.size(1))  # a chunk's worth at a time, however many rows are out
+    for start in range(0, redo.numel(), step):
+        rows = redo[start : start + step]
         x = logits[rows].to(lse.dtype)
         peak = x.amax(1, keepdim=True)
         lse[rows] = x.sub_(peak).exp_().sum(1).log_().add_(peak.squeeze(1))

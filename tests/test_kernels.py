@@ -55,6 +55,7 @@ def test_fused_loss_holds_where_plain_sums_of_exp_would_not(monkeypatch, dtype, 
     plain sum would still hold. Loss, NLL and gradients are the plain (log_softmax) loss's, in
     every row. Off a CPU the maxima go first in every row (maxima-first runs that path here)."""
     monkeypatch.setattr(loss_module, "_plain_sums", lambda device: plain_sums)
+    monkeypatch.setattr(loss_module, "CHUNK_BYTES", 4 * 9)  # one row per chunk: the rows redone one by one
     states, weight, target = problem(n=6, d=5, vocab=9, dtype=dtype)
     weight[:, -1] = 1.0  # the last feature adds the same amount to every logit of a row
     states[2, -1], states[4, -1] = shift, -0.5 * shift
