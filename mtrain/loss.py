@@ -156,8 +156,8 @@ def _project(h: Tensor, w: Tensor) -> tuple[Tensor, Tensor | None]:
 
 # A row's log sum exp(x) taken without its maximum subtracted is exact up to rounding while every
 # term that matters is a normal float32: float32 exp overflows above 88.7 and leaves the normal range
-# below -87.3, and the terms that move a sum of e^-60 by float32's 2^-24 (over 8000 tokens: down to
-# e^-86) are normal. Rows outside [-60, 80] (a model's logits rarely are) are summed again shifted.
+# below -87.3, and the terms that move a sum of e^-60 by float32's 2^-24 (over a vocabulary of 8000:
+# down to e^-86; of 32000: e^-87) are normal. Rows outside [-60, 80] (a model's logits rarely are) are summed again shifted.
 PLAIN_LSE_RANGE = (-60.0, 80.0)
 
 
@@ -184,7 +184,7 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
 
     The logits are the largest activation of a small model (3700 x 8000 at 4k target tokens,
     four times the FFN's hidden layer), and every pass over them in float32 runs at memory speed:
-    upcasting bf16 logits, subtracting the row maxima, exp, sums and the backward's passes each
+    upcasting bf16 logits, exp, the row sums and the backward's passes each
     read and write ~120 MB, ~1.2 GB a step in all, ~15% of a bf16 step on a 2-core CPU. Here the
     logits stay in the matmul's dtype and are walked in row chunks of about a core's L2 cache:
     each chunk is upcast, reduced and exponentiated while in cache. The forward keeps only each

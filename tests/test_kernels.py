@@ -45,17 +45,20 @@ def test_fused_projection_and_loss_equal_the_plain_ones(monkeypatch, eps, chunk_
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("rows_per_chunk", [1, 2])
 @pytest.mark.parametrize("plain_sums", [True, False], ids=["cpu-sums", "maxima-first"])
-@pytest.mark.parametrize("shift", [300.0, 85.0, -70.0, -300.0])
+@pytest.mark.parametrize("shift", [300.0, 85.0, -70.0, -100.0, -300.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_fused_loss_holds_where_plain_sums_of_exp_would_not(monkeypatch, dtype, shift, plain_sums):
+def test_fused_loss_holds_where_plain_sums_of_exp_would_not(monkeypatch, dtype, shift, plain_sums, rows_per_chunk):
     """The forward sums exp(logits) without the row maximum taken out. Rows moved by `shift` (every
     logit of the row) out of PLAIN_LSE_RANGE are summed again with it: at +300 float32's exp
-    overflows and at -300 it is 0 (without the second sum both give inf or NaN), at +85 and -70 the
-    plain sum would still hold. Loss, NLL and gradients are the plain (log_softmax) loss's, in
-    every row. Off a CPU the maxima go first in every row (maxima-first runs that path here)."""
+    overflows and at -300 it is 0 (without the second sum both give inf or NaN), at -100 its terms
+    are subnormal and the plain sum is finite but off by ~1e-3, at +85 and -70 the plain sum would
+    still hold. Loss, NLL and gradients are the plain (log_softmax) loss's, in every row, with the
+    rows redone one or two at a time. Off a CPU the maxima go first in every row (maxima-first runs
+    that path here)."""
     monkeypatch.setattr(loss_module, "_plain_sums", lambda device: plain_sums)
-    monkeypatch.setattr(loss_module, "CHUNK_BYTES", 4 * 9)  # one row per chunk: the rows redone one by one
+    monkeypatch.setattr(loss_module, "CHUNK_BYTES", 4 * 9 * rows_per_chunk)
     states, weight, target = problem(n=6, d=5, vocab=9, dtype=dtype)
     weight[:, -1] = 1.0  # the last feature adds the same amount to every logit of a row
     states[2, -1], states[4, -1] = shift, -0.5 * shift
