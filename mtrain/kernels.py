@@ -97,7 +97,8 @@ def random_words(n: int, device: torch.device | str) -> Tensor:
     1.017x (2-core AMX host, docs/benchmarks.md). Other devices draw with torch's generator."""
     if torch.device(device).type != "cpu":
         return torch.empty(n, dtype=torch.int64, device=device).random_()  # uniform on [0, 2^63)
-    seed = int(torch.empty((), dtype=torch.int64, device="cpu").random_())  # torch's CPU generator, whatever the default device
+    # one draw from torch's CPU generator, whatever torch's default device
+    seed = int(torch.empty((), dtype=torch.int64, device="cpu").random_())
     with torch.profiler.record_function("mtrain::random_words"):  # so that profiles see numpy's time
         return torch.from_numpy(np.random.PCG64DXSM(seed).random_raw(n).view(np.int64))
 

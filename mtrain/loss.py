@@ -157,7 +157,8 @@ def _project(h: Tensor, w: Tensor) -> tuple[Tensor, Tensor | None]:
 # A row's log sum exp(x) taken without its maximum subtracted is exact up to rounding while every
 # term that matters is a normal float32: float32 exp overflows above 88.7 and leaves the normal range
 # below -87.3, and the terms that move a sum of e^-60 by float32's 2^-24 (over a vocabulary of 8000:
-# down to e^-86; of 32000: e^-87) are normal. Rows outside [-60, 80] (a model's logits rarely are) are summed again shifted.
+# down to e^-86; of 32000: e^-87) are normal. Rows outside [-60, 80] (a model's logits rarely are)
+# are summed again shifted.
 PLAIN_LSE_RANGE = (-60.0, 80.0)
 
 

@@ -113,7 +113,8 @@ def bfloat16_weights(model):
         return model
     model.to(torch.bfloat16)
     model.pe = model.pe.float()
-    if model.pe.device.type == "cpu" and _has_onednn_linear():
+    # oneDNN's bfloat16 kernels refuse CPUs without AVX-512 (or AVX-NE-CONVERT): nn.Linear's own path stays there
+    if model.pe.device.type == "cpu" and onednn_linear_runs(torch.bfloat16):
         _onednn_linears(model)
     return model
 
@@ -157,12 +158,6 @@ class OneDNNLinear(nn.Linear):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
             self._packed_key = key
         return self._packed
-
-
-def _has_onednn_linear() -> bool:
-    """Whether oneDNN's bfloat16 linear runs here: its kernels refuse CPUs without AVX-512 (or
-    AVX-NE-CONVERT), where nn.Linear's own bfloat16 path stays."""
-    return onednn_linear_runs(torch.bfloat16)
 
 
 def _onednn_linears(model: nn.Module) -> None:

@@ -111,7 +111,7 @@ def test_bfloat16_logits_stay_close_to_float32():
     assert (got.float() - reference).abs().max() <= 0.05 * reference.abs().max()
 
 
-@pytest.mark.skipif(not quantize._has_onednn_linear(), reason="this PyTorch has no oneDNN linear")
+@pytest.mark.skipif(not quantize.onednn_linear_runs(torch.bfloat16), reason="this PyTorch has no oneDNN linear")
 def test_a_bfloat16_copy_runs_its_linear_layers_through_onednn_with_the_relu_fused():
     """Every linear layer of the bfloat16 copy is a OneDNNLinear on the same parameters (the output
     projection stays tied to the embeddings), each FFN's ReLU is its first layer's, and the logits
@@ -134,7 +134,7 @@ def test_a_bfloat16_copy_runs_its_linear_layers_through_onednn_with_the_relu_fus
     assert (fast(src, tgt).float() - reference).abs().max() <= 0.01 * reference.abs().max()  # gradients on
 
 
-@pytest.mark.skipif(not quantize._has_onednn_linear(), reason="this PyTorch has no oneDNN linear")
+@pytest.mark.skipif(not quantize.onednn_linear_runs(torch.bfloat16), reason="this PyTorch has no oneDNN linear")
 @pytest.mark.parametrize("activation,bias", [("none", True), ("relu", True), ("none", False)])
 @torch.no_grad()
 def test_a_packed_weight_gives_the_unpacked_kernels_result_and_follows_the_weight(activation, bias):
@@ -169,6 +169,6 @@ def test_a_packed_weight_gives_the_unpacked_kernels_result_and_follows_the_weigh
 
 
 def test_without_onednn_the_bfloat16_copy_keeps_plain_linear_layers(monkeypatch):
-    monkeypatch.setattr(quantize, "_has_onednn_linear", lambda: False)
+    monkeypatch.setattr(quantize, "onednn_linear_runs", lambda dtype: False)
     bf16 = quantize.bfloat16_weights(model())
     assert linears(bf16) == linears(model()) and not any(isinstance(m, quantize.OneDNNLinear) for m in bf16.modules())
