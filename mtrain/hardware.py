@@ -73,17 +73,28 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
+def cuda_has_native_bf16(device: torch.device) -> bool:
+    """Whether this GPU multiplies bfloat16 in hardware: compute capability 8.0 on (Ampere and
+    later) or ROCm. torch.cuda.is_bf16_supported() also says yes where bfloat16 is only emulated
+    (a V100 or T4, capability 7.x, where float16 with a GradScaler is the fast choice), and it
+    asks about the current device, which need not be the one `device` names."""
+    if torch.version.hip:
+        return True
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index)[0] >= 8
+
+
 def resolve_amp(amp: str, device: torch.device, key: str = "train.amp") -> torch.dtype | None:
     """train.amp -> autocast dtype (None = float32). auto = bfloat16 where the hardware multiplies it
     natively: CPUs with AMX or AVX512-BF16 (1.5-2x the float32 tokens/s, docs/benchmarks.md) and
-    GPUs that support it; float16 on older GPUs (with a GradScaler); float32 on other CPUs, where
+    GPUs of compute capability 8.0 on; float16 on older GPUs (with a GradScaler); float32 on other CPUs, where
     bf16 would be emulated (~30x slower). An explicit bf16 on such a CPU also falls back to float32
     (see amp_note). `key` names the setting in errors (decode.amp takes the same values)."""
     if amp == "off":
         return None
     if amp == "auto":
         if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            return torch.bfloat16 if cuda_has_native_bf16(device) else torch.float16
         return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else None
     if amp == "bf16":
         if device.type == "cpu" and not cpu_has_native_bf16():

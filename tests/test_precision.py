@@ -39,12 +39,19 @@ def test_the_note_names_the_instructions_that_make_bf16_native(monkeypatch, amx,
         assert "train.amp=off" in note  # how to get float32 back
 
 
-def test_auto_on_a_gpu_is_bfloat16_where_supported_else_float16(monkeypatch):
-    cuda = torch.device("cuda")
+@pytest.mark.parametrize("capability,expected", [((7, 0), torch.float16), ((7, 5), torch.float16),
+                                                  ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)])
+def test_auto_on_a_gpu_is_bfloat16_from_ampere_on_else_float16(monkeypatch, capability, expected):
+    """A V100 (7.0) or T4 (7.5) gets float16 even though torch.cuda.is_bf16_supported() says yes
+    there (bfloat16 is emulated); the capability asked is that of the device named, not the current one."""
+    asked = []
+    monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    assert hardware.resolve_amp("auto", cuda) is torch.bfloat16
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
-    assert hardware.resolve_amp("auto", cuda) is torch.float16
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: asked.append(index) or capability)
+    assert hardware.resolve_amp("auto", torch.device("cuda", 1)) is expected
+    assert hardware.resolve_amp("auto", torch.device("cuda")) is expected
+    assert asked == [1, 0]
 
 
 @pytest.mark.parametrize("native,amp,expected", [(True, "auto", "bfloat16"), (True, "off", "float32"),
