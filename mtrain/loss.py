@@ -87,6 +87,10 @@ def projected_label_smoothed_loss(states: Tensor, weight: Tensor, target: Tensor
 
 
 CHUNK_BYTES = 1 << 21  # float32 logits per chunk: ~1 MiB per thread of 2, a Zen 4 core's L2 cache
+# Off a CPU there is no cache to fit, and each chunk costs a dozen kernel launches: at a 32k
+# vocabulary 2 MiB is 16 rows, ~1500 chunks and ~20k launches for 25k target tokens. 64 MiB chunks
+# (512 rows there) keep the float32 copy of a chunk small next to the logits themselves.
+DEVICE_CHUNK_BYTES = 1 << 26
 # The projection's matmuls run on the real target tokens rounded up to this many rows (zero states,
 # so zero logits, that the loss skips). oneDNN, which runs bfloat16 matmuls on a CPU, compiles a
 # kernel for every new shape (2-5 ms each here) and keeps it, with a few hundred kB, in two caches
@@ -98,13 +102,13 @@ CHUNK_BYTES = 1 << 21  # float32 logits per chunk: ~1 MiB per thread of 2, a Zen
 ROW_MULTIPLE = 64
 
 
-def _chunk_rows(vocab: int) -> int:
-    """Rows of float32 logits per chunk."""
-    return max(1, CHUNK_BYTES // (4 * vocab))
+def _chunk_rows(vocab: int, device: torch.device) -> int:
+    """Rows of float32 logits per chunk on this device."""
+    return max(1, (CHUNK_BYTES if device.type == "cpu" else DEVICE_CHUNK_BYTES) // (4 * vocab))
 
 
-def _row_chunks(n: int, vocab: int) -> list[slice]:
-    rows = _chunk_rows(vocab)
+def _row_chunks(n: int, vocab: int, device: torch.device) -> list[slice]:
+    rows = _chunk_rows(vocab, device)
     return [slice(start, min(start + rows, n)) for start in range(0, n, rows)]
 
 
@@ -172,7 +176,7 @@ def _shifted_where_out_of_range(lse: Tensor, logits: Tensor) -> None:
     its logits with the row maximum subtracted first."""
     low, high = PLAIN_LSE_RANGE
     redo = (~((lse >= low) & (lse <= high))).nonzero().squeeze(1)
-    step = _chunk_rows(logits.size(1))  # a chunk's worth at a time, however many rows are out
+    step = _chunk_rows(logits.size(1), logits.device)  # a chunk's worth at a time, however many rows are out
     for start in range(0, redo.numel(), step):
         rows = redo[start : start + step]
         x = logits[rows].to(lse.dtype)
@@ -187,7 +191,7 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
     four times the FFN's hidden layer), and every pass over them in float32 runs at memory speed:
     upcasting bf16 logits, exp, the row sums and the backward's passes each
     read and write ~120 MB, ~1.2 GB a step in all, ~15% of a bf16 step on a 2-core CPU. Here the
-    logits stay in the matmul's dtype and are walked in row chunks of about a core's L2 cache:
+    logits stay in the matmul's dtype and are walked in row chunks of about a core's L2 cache (on a CPU):
     each chunk is upcast, reduced and exponentiated while in cache. The forward keeps only each
     row's log-sum-exp; the backward recomputes softmax(x) = exp(x - lse) chunk by chunk and writes
     the gradient over the logits, in place, then runs the two matmuls of the projection's
@@ -215,8 +219,8 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         # over- or underflow are summed again with it (_shifted_where_out_of_range). Elsewhere the
         # maxima go first, as finding those rows would stop the host until the device catches up.
         peak = None if _plain_sums(logits.device) else logits.new_empty(n, 1, dtype=wide)
-        scratch = logits.new_empty(min(n, _chunk_rows(vocab)) * vocab) if logits.dtype == wide else None
-        for rows in _row_chunks(n, vocab):
+        scratch = logits.new_empty(min(n, _chunk_rows(vocab, logits.device)) * vocab) if logits.dtype == wide else None
+        for rows in _row_chunks(n, vocab, logits.device):
             x = logits[rows] if scratch is not None else logits[rows].to(wide, copy=True)
             if eps:
                 torch.mean(x, 1, out=mean[rows])
@@ -249,12 +253,12 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         n, vocab = lse.size(0), logits.size(1)
         logits[n:] = 0  # the padding rows' gradient: zero, so they add nothing to either matmul below
         wide = logits.dtype == lse.dtype  # then the gradient is made in place, with no copy either way
-        rows_per_chunk = _chunk_rows(vocab)
+        rows_per_chunk = _chunk_rows(vocab, lse.device)
         # each row's target, as an index into its chunk's flat gradient
         picked = torch.arange(n, device=lse.device).remainder_(rows_per_chunk).mul_(vocab).add_(target)
         minus_picked = (-(1.0 - eps) * g).expand(rows_per_chunk)
         floor = g * (eps / vocab)
-        for rows in _row_chunks(n, vocab):
+        for rows in _row_chunks(n, vocab, lse.device):
             x = logits[rows] if wide else logits[rows].to(lse.dtype, copy=True)
             grad = x.sub_(lse[rows, None]).exp_().mul_(g)  # g * softmax(x)
             if eps:

@@ -45,6 +45,17 @@ def test_fused_projection_and_loss_equal_the_plain_ones(monkeypatch, eps, chunk_
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def test_loss_chunks_fit_a_cpu_cache_and_stay_few_on_a_gpu():
+    """On a CPU a chunk of float32 logits is CHUNK_BYTES (a core's L2 cache); on a GPU, where each
+    chunk is a dozen kernel launches, 25k target tokens at a 32k vocabulary take 48 chunks, not 1563."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert loss_module._chunk_rows(32000, cpu) == loss_module.CHUNK_BYTES // (4 * 32000) == 16
+    assert len(loss_module._row_chunks(25000, 32000, cpu)) == 1563
+    chunks = loss_module._row_chunks(25000, 32000, gpu)
+    assert len(chunks) == 48 and chunks[0] == slice(0, 524) and chunks[-1] == slice(47 * 524, 25000)
+    assert loss_module._chunk_rows(10**9, gpu) == 1  # a vocabulary larger than a chunk: one row at a time
+
+
 @pytest.mark.parametrize("rows_per_chunk", [1, 2])
 @pytest.mark.parametrize("plain_sums", [True, False], ids=["cpu-sums", "maxima-first"])
 @pytest.mark.parametrize("shift", [300.0, 85.0, -70.0, -100.0, -300.0])
