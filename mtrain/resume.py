@@ -12,24 +12,40 @@ import numpy as np
 import torch
 
 
-def rng_state() -> dict[str, Any]:
-    """Every RNG the loop may touch, as plain data that torch.load(weights_only=True) accepts."""
+def rng_state(device: torch.device = torch.device("cpu")) -> dict[str, Any]:
+    """Every RNG the loop may touch, as plain data that torch.load(weights_only=True) accepts:
+    Python's, numpy's, torch's CPU generator and, training on a GPU, that GPU's generator (only
+    the one this process trains on, so a resume where other GPUs are visible still restores it)."""
     name, keys, pos, has_gauss, cached = np.random.get_state()
     return {
         "python": random.getstate(),
         "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": [torch.cuda.get_rng_state(device)] if device.type == "cuda" else [],
     }
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], device: torch.device = torch.device("cpu")) -> str | None:
+    """Restore rng_state(device); a note (None when all was restored) where the saved state cannot
+    decide this device's masks: a checkpoint from a CPU run resumed on a GPU, or one that saved every
+    GPU's generator (older checkpoints) while another number of GPUs is visible now."""
     random.setstate(_as_tuple(state["python"]))
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    saved = state["cuda"]
+    if device.type != "cuda":
+        return None
+    if len(saved) == 1:
+        torch.cuda.set_rng_state(saved[0], device)
+        return None
+    if saved and len(saved) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(saved)
+        return None
+    if not saved:
+        return "the checkpoint was written by a run on a CPU, which kept no GPU generator"
+    return (f"the checkpoint holds the generators of {len(saved)} GPUs and {torch.cuda.device_count()} are "
+            f"visible now, so which one drove the dropout on {device} is unknown")
 
 
 def _as_tuple(value: Any) -> Any:

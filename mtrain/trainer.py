@@ -227,10 +227,12 @@ class Trainer:
         self._note_train_changes(ckpt["config"].get("train", {}))
         rngs = ts["rng"]
         if len(rngs) == self.dist.world_size:
-            set_rng_state(rngs[self.dist.rank])
+            why = set_rng_state(rngs[self.dist.rank], self.device)
         else:
-            self.log(f"note: {path} was written by {len(rngs)} process(es), now {self.dist.world_size}; "
-                     "dropout RNG is reseeded, so this run will not match an uninterrupted one bit for bit")
+            why = f"{path} was written by {len(rngs)} process(es), now {self.dist.world_size}"
+        if why:
+            self.log(f"note: {why}; dropout RNG is reseeded, so this run will not match an uninterrupted "
+                     "one bit for bit")
         self.log(f"resuming from {path}: step {self.state.step}, epoch {self.state.epoch}, "
                  f"batch {self.state.batch_index}/{len(self.stream.batches(self.state.epoch))}, "
                  f"best BLEU {max(self.state.best_bleu, 0.0):.2f}")
@@ -435,7 +437,7 @@ class Trainer:
                                        "see its message, fix it and re-run the same command to resume")
 
     def _gather_rngs(self) -> list[dict[str, Any]]:
-        state = rng_state()
+        state = rng_state(self.device)
         if not self.dist.enabled:
             return [state]
         gathered: list[Any] = [None] * self.dist.world_size

@@ -239,3 +239,50 @@ def test_rdrop_adds_alpha_times_a_positive_kl_and_is_off_in_eval():
     assert losses[3.0] - losses[2.0] == pytest.approx(half_kl, rel=1e-4)
     model.eval()
     assert Objective(model, 0.1, 5.0)(*batch)[0].item() == pytest.approx(Objective(model, 0.1, 0.0)(*batch)[0].item())
+
+
+# ---------------------------------------------------------------- RNG state in checkpoints
+
+
+class FakeCudaGenerators:
+    """torch.cuda's generator calls on a machine with `count` visible GPUs, each state a distinct tensor."""
+
+    def __init__(self, monkeypatch, count: int):
+        self.states = {i: torch.tensor([i + 10], dtype=torch.uint8) for i in range(count)}
+        self.set_calls: list[tuple] = []
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "get_rng_state",
+                            lambda device="cuda": self.states[torch.device(device).index].clone())
+        monkeypatch.setattr(torch.cuda, "set_rng_state",
+                            lambda state, device="cuda": self.set_calls.append((torch.device(device).index, int(state[0]))))
+        monkeypatch.setattr(torch.cuda, "set_rng_state_all",
+                            lambda states: self.set_calls.append(("all", [int(s[0]) for s in states])))
+
+
+def test_rng_state_saves_the_training_gpus_generator_and_restores_it_wherever_it_is_visible(monkeypatch):
+    """A checkpoint keeps the generator of the GPU the process trained on, and a resume sets it on
+    the GPU it trains on now, however many GPUs are visible; the CPU generators round-trip too."""
+    from mtrain.resume import rng_state, set_rng_state
+    gpus = FakeCudaGenerators(monkeypatch, count=4)
+    torch.manual_seed(3)
+    state = rng_state(torch.device("cuda", 2))
+    assert [int(s[0]) for s in state["cuda"]] == [12]
+    expected = torch.rand(3)
+    gpus2 = FakeCudaGenerators(monkeypatch, count=1)  # resumed where one GPU is visible
+    assert set_rng_state(state, torch.device("cuda", 0)) is None
+    assert gpus2.set_calls == [(0, 12)] and torch.equal(torch.rand(3), expected)
+    assert rng_state(torch.device("cpu"))["cuda"] == [] and set_rng_state(state) is None  # on a CPU: no GPU state
+
+
+def test_rng_state_of_every_gpu_restores_only_where_as_many_are_visible(monkeypatch):
+    """Checkpoints that saved every visible GPU's generator restore them all where as many GPUs are
+    visible; elsewhere, and for a CPU run resumed on a GPU, set_rng_state says why it could not."""
+    from mtrain.resume import rng_state, set_rng_state
+    state = rng_state(torch.device("cpu"))
+    state["cuda"] = [torch.tensor([10], dtype=torch.uint8), torch.tensor([11], dtype=torch.uint8)]
+    gpus = FakeCudaGenerators(monkeypatch, count=2)
+    assert set_rng_state(state, torch.device("cuda", 0)) is None and gpus.set_calls == [("all", [10, 11])]
+    FakeCudaGenerators(monkeypatch, count=3)
+    assert "generators of 2 GPUs and 3 are visible" in set_rng_state(state, torch.device("cuda", 0))
+    state["cuda"] = []
+    assert "run on a CPU" in set_rng_state(state, torch.device("cuda", 0))
