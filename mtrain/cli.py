@@ -16,7 +16,7 @@ from typing import Callable, List, Optional
 
 import typer
 
-from mtrain.errors import MtrainError
+from mtrain.errors import MtrainError, is_out_of_memory
 
 app = typer.Typer(
     add_completion=False,
@@ -39,6 +39,16 @@ def friendly(fn: Callable) -> Callable:
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)
             raise typer.Exit(130) from None
+        except RuntimeError as err:
+            if not is_out_of_memory(err):
+                raise
+            # A training update's own out-of-memory error is an MtrainError with its step and budget;
+            # this is any other (validation, translate, score): one line, the batch setting to lower.
+            first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+            typer.echo(f"error: out of memory ({first}); lower the batch: --max-tokens for translate and score "
+                       "(decode.max_tokens), --set train.max_tokens=N for train, whose run resumes from its last.pt",
+                       err=True)
+            raise typer.Exit(1) from None
         except BrokenPipeError:
             # `mtrain translate ... | head` closes the pipe early; that is not an error.
             sys.stderr.close()

@@ -7,3 +7,16 @@ class MtrainError(Exception):
     The CLI prints ``error: <message>`` on stderr and exits with code 1, with no traceback.
     Raise it for anything a user can fix (bad input, bad config); let real bugs propagate.
     """
+
+
+# Messages of the out-of-memory errors that do not arrive as torch.OutOfMemoryError: a CUDA
+# allocation that fails inside a library (cuBLAS, cuDNN) or as a sticky "CUDA error", and the CPU
+# allocator's failure, which PyTorch raises as a plain RuntimeError.
+_OUT_OF_MEMORY_MESSAGES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED",
+                           "can't allocate memory")
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether err says a device (or the host) ran out of memory. torch.OutOfMemoryError (2.5 on)
+    is torch.cuda.OutOfMemoryError, a RuntimeError, so the message test covers torch 2.4 as well."""
+    return isinstance(err, RuntimeError) and any(m in str(err) for m in _OUT_OF_MEMORY_MESSAGES)

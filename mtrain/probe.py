@@ -15,7 +15,7 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
-from mtrain.errors import MtrainError
+from mtrain.errors import MtrainError, is_out_of_memory
 
 MARGIN = 0.10  # of the device's memory left free: allocator fragmentation, validation, other batches' shapes
 GRAIN = 64  # budgets are multiples of this
@@ -89,7 +89,9 @@ class Probe:
         try:
             self.step(budget)
             peak: int | None = self.gauge.peak()
-        except torch.OutOfMemoryError:
+        except RuntimeError as err:
+            if not is_out_of_memory(err):
+                raise
             peak = None
         self.peaks[budget] = peak
         self.log(f"max_tokens probe: {budget} tokens: " + ("out of memory" if peak is None else f"peak {peak / GiB:.2f} GiB"))

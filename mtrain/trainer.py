@@ -27,7 +27,7 @@ from mtrain import distributed as dist_utils
 from mtrain.atomic import describe_write_error
 from mtrain.config import Config, replace, to_dict
 from mtrain.data import Batch, BatchStream, SubwordSampler, TokenizedData, collate, make_batches, stream_target_tokens, target_tokens
-from mtrain.errors import MtrainError
+from mtrain.errors import MtrainError, is_out_of_memory
 from mtrain.evaluate import score
 from mtrain.hardware import resolve_amp
 from mtrain.loss import Objective, forward_backward
@@ -266,8 +266,10 @@ class Trainer:
         step = self.state.step + 1
         try:
             loss_sum, nll_sum = forward_backward(self.objective, micro, total, world, self.autocast, self.scaler)
-        except torch.OutOfMemoryError:
-            raise self._out_of_memory(step, host) from None  # from None: the traceback holds the batch's tensors
+        except RuntimeError as err:
+            if not is_out_of_memory(err):
+                raise
+            raise self._out_of_memory(step, host) from None
         sums = dist_utils.all_reduce_sum(torch.tensor([loss_sum, nll_sum], dtype=torch.float64,
                                                       device=self.device), self.dist).tolist()
         if not math.isfinite(sums[0]):
@@ -278,7 +280,9 @@ class Trainer:
             group["lr"] = lr
         try:
             grad_norm = self._clip_and_step()
-        except torch.OutOfMemoryError:  # the first step allocates Adam's moments
+        except RuntimeError as err:  # the first step allocates Adam's moments
+            if not is_out_of_memory(err):
+                raise
             raise self._out_of_memory(step, host) from None
         if grad_norm is None:
             return None

@@ -169,10 +169,14 @@ def test_auto_on_a_cpu_is_the_default_budget(tokenized_slice):
 
 # ---------------------------------------------------------------- out of memory mid-run
 
-def test_out_of_memory_mid_run_is_one_line_and_the_run_resumes(tokenized_slice, tmp_path, monkeypatch):
-    """Update 5 meets a batch too large for the device (injected). The run stops with one line:
-    the step, the batch's shape, a smaller max_tokens; last.pt (saved at update 4) is untouched;
-    the same command on a device with room then ends bit-identical to a run never stopped."""
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)"),
+                                   RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")],
+                         ids=["OutOfMemoryError", "cublas-alloc"])
+def test_out_of_memory_mid_run_is_one_line_and_the_run_resumes(tokenized_slice, tmp_path, monkeypatch, error):
+    """Update 5 meets a batch too large for the device (injected, as PyTorch's own error or as a
+    library's failed allocation). The run stops with one line: the step, the batch's shape, a smaller
+    max_tokens; last.pt (saved at update 4) is untouched; the same command on a device with room then
+    ends bit-identical to a run never stopped."""
     from mtrain import trainer
 
     sets = ["train.max_tokens=512", "train.max_steps=8", "train.save_every=2"]
@@ -183,7 +187,7 @@ def test_out_of_memory_mid_run_is_one_line_and_the_run_resumes(tokenized_slice, 
     def forward_backward(objective, micro, *args, **kwargs):
         calls.append(micro)
         if len(calls) == 5:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+            raise error
         return original(objective, micro, *args, **kwargs)
 
     out = tmp_path / "cut"
@@ -210,3 +214,41 @@ def test_suggested_budget_is_smaller_and_a_multiple_of_64():
     for budget in (64, 100, 512, 4096, 25000, 65536):
         suggested = suggest_max_tokens(budget)
         assert suggested % 64 == 0 and (suggested < budget or budget == 64) and suggested >= 64
+
+
+# ---------------------------------------------------------------- out of memory anywhere else
+
+OUT_OF_MEMORY = [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                 RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),
+                 RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+                 RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 68719476736 bytes")]
+
+
+@pytest.mark.parametrize("err", OUT_OF_MEMORY, ids=["torch", "cuda-error", "cublas", "cpu"])
+def test_out_of_memory_outside_an_update_is_one_line_naming_the_batch_settings(err, capsys):
+    """Validation, translate or score running out of memory: one line (the error's first line and the
+    settings that size a batch), exit code 1, no traceback; other RuntimeErrors are bugs and propagate."""
+    import typer
+
+    from mtrain.cli import friendly
+    from mtrain.errors import is_out_of_memory
+
+    assert is_out_of_memory(err)
+
+    def command():
+        raise err
+
+    with pytest.raises(typer.Exit) as stop:
+        friendly(command)()
+    assert stop.value.exit_code == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: out of memory ({str(err).splitlines()[0]}); ")
+    assert "--max-tokens" in lines[0] and "train.max_tokens" in lines[0]
+
+    def bug():
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 5x6)")
+
+    assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_out_of_memory(ValueError("out of memory"))  # not a RuntimeError: not PyTorch's
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        friendly(bug)()
