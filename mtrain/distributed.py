@@ -3,6 +3,7 @@ fall back to no-ops in a single process, so the training loop reads the same eit
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -33,11 +34,17 @@ def from_env() -> DistInfo:
     return DistInfo(int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", "0")))
 
 
+# How long a collective waits for the other ranks before the run is killed. Rank 0 alone validates
+# (decoding the validation split), averages and writes checkpoints while the others wait at the next
+# collective; NCCL's default of 10 minutes would kill a run whose validation set or model is large.
+TIMEOUT = datetime.timedelta(hours=2)
+
+
 def setup(info: DistInfo, device: torch.device) -> None:
-    """Join the process group: NCCL between GPUs, gloo on CPU."""
+    """Join the process group: NCCL between GPUs, gloo on CPU, waiting up to TIMEOUT in a collective."""
     if info.enabled and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, rank=info.rank, world_size=info.world_size)
+        dist.init_process_group(backend=backend, rank=info.rank, world_size=info.world_size, timeout=TIMEOUT)
 
 
 def teardown(info: DistInfo) -> None:

@@ -52,3 +52,20 @@ def test_two_process_gloo_matches_one_process(copy_data, tmp_path):  # noqa: F81
     w2 = torch.load(tmp_path / "two" / "last.pt", weights_only=True)["model"]
     for key in w1:
         torch.testing.assert_close(w1[key], w2[key], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("device,backend", [("cpu", "gloo"), ("cuda", "nccl")])
+def test_process_group_waits_longer_than_a_validation_on_rank_0(monkeypatch, device, backend):
+    """The other ranks wait at a collective while rank 0 validates, averages and saves: the group
+    is made with distributed.TIMEOUT (2 h), not NCCL's default of 10 minutes."""
+    import datetime
+
+    from mtrain import distributed
+
+    made = []
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kwargs: made.append(kwargs))
+    distributed.setup(distributed.DistInfo(rank=1, world_size=2), torch.device(device))
+    assert made == [{"backend": backend, "rank": 1, "world_size": 2, "timeout": datetime.timedelta(hours=2)}]
+    distributed.setup(distributed.DistInfo(), torch.device(device))  # one process: no group
+    assert len(made) == 1
