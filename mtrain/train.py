@@ -260,6 +260,8 @@ class Run:
                 if stats is None:
                     tr.count_nonfinite()
                     continue
+                if not stats:  # float16 overflow: the scaler lowered its scale and skipped the update
+                    continue
                 tr.state.nonfinite_run = 0
                 seconds = time.perf_counter() - start
                 self.log_window(stats, seconds)

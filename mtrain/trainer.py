@@ -257,8 +257,9 @@ class Trainer:
     # ------------------------------------------------------------ one update
 
     def train_step(self) -> dict[str, float] | None:
-        """One optimizer update over update_freq micro-batches per rank. Returns stats, or None
-        when the loss was non-finite and the update was skipped."""
+        """One optimizer update over update_freq micro-batches per rank. Returns stats, None when
+        the loss was non-finite and the update was skipped, or {} when float16 gradients overflowed
+        and the gradient scaler skipped it (lowering its scale, as it does early in a run)."""
         t, world = self.tcfg, self.dist.world_size
         update = self.prefetch.next()  # the stream's next batches (the same list on every rank); moves the stream
         total, host = update.prepared
@@ -286,6 +287,8 @@ class Trainer:
             raise self._out_of_memory(step, host) from None
         if grad_norm is None:
             return None
+        if not math.isfinite(grad_norm):  # the float16 scaler skipped the update: no step, nothing to log
+            return {}
         self.state.step = step
         return {"loss": sums[0], "nll": sums[1], "tokens": total, "lr": lr, "grad_norm": grad_norm}
 
@@ -317,9 +320,14 @@ class Trainer:
         max_norm = self.tcfg.clip_norm if self.tcfg.clip_norm > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         if self.scaler is not None:
-            # fp16 overflow: the scaler skips the step and lowers its scale; not a loss problem.
+            # float16 overflow: the scaler skips the step and lowers its scale; not a loss problem,
+            # and not an update (train_step does not count it).
+            scale = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
             self.scaler.update()
+            if not math.isfinite(grad_norm):
+                self.log(f"step {self.state.step + 1}: float16 gradients overflowed at loss scale {scale:g}; "
+                         f"update skipped, the scale is now {self.scaler.get_scale():g}")
         elif not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             return None

@@ -286,3 +286,29 @@ def test_rng_state_of_every_gpu_restores_only_where_as_many_are_visible(monkeypa
     assert "generators of 2 GPUs and 3 are visible" in set_rng_state(state, torch.device("cuda", 0))
     state["cuda"] = []
     assert "run on a CPU" in set_rng_state(state, torch.device("cuda", 0))
+
+
+def test_float16_overflow_skips_the_update_lowers_the_scale_and_is_not_counted():
+    """With float16's gradient scaler, an infinite gradient skips the optimizer step and halves the
+    scale (as early in every float16 run); train_step then counts no update (it returns {}). A finite
+    gradient steps. The scaler runs on the CPU here; on a GPU it is the same object on "cuda"."""
+    import types
+
+    from mtrain.trainer import Trainer
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    lines: list[str] = []
+    fake = types.SimpleNamespace(model=model, optimizer=optimizer, scaler=torch.amp.GradScaler("cpu", init_scale=1024.0),
+                                 tcfg=types.SimpleNamespace(clip_norm=0.0), state=types.SimpleNamespace(step=6),
+                                 log=lines.append)
+    before = [p.detach().clone() for p in model.parameters()]
+    fake.scaler.scale(model(torch.ones(1, 3)).sum()).backward()
+    model.weight.grad[0, 0] = float("inf")
+    assert Trainer._clip_and_step(fake) == float("inf")
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # not stepped
+    assert fake.scaler.get_scale() == 512.0 and all(p.grad is None for p in model.parameters())
+    assert lines == ["step 7: float16 gradients overflowed at loss scale 1024; update skipped, the scale is now 512"]
+    fake.scaler.scale(model(torch.ones(1, 3)).sum()).backward()
+    assert math.isfinite(Trainer._clip_and_step(fake))
+    assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters())) and len(lines) == 1
