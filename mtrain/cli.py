@@ -44,7 +44,8 @@ def friendly(fn: Callable) -> Callable:
                 raise
             # A training update's own out-of-memory error is an MtrainError with its step and budget;
             # this is any other (validation, translate, score): one line, the batch setting to lower.
-            first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+            text = str(err).strip()
+            first = text.splitlines()[0][:200] if text else type(err).__name__
             typer.echo(f"error: out of memory ({first}); lower the batch: --max-tokens for translate and score "
                        "(decode.max_tokens), --set train.max_tokens=N for train, whose run resumes from its last.pt",
                        err=True)

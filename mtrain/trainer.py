@@ -260,17 +260,22 @@ class Trainer:
         """One optimizer update over update_freq micro-batches per rank. Returns stats, None when
         the loss was non-finite and the update was skipped, or {} when float16 gradients overflowed
         and the gradient scaler skipped it (lowering its scale, as it does early in a run)."""
-        t, world = self.tcfg, self.dist.world_size
         update = self.prefetch.next()  # the stream's next batches (the same list on every rank); moves the stream
         total, host = update.prepared
         micro = [to_device(tensors, self.device) for tensors in host]
         step = self.state.step + 1
-        try:
-            loss_sum, nll_sum = forward_backward(self.objective, micro, total, world, self.autocast, self.scaler)
+        try:  # the optimizer's step can run out of memory too: its first call allocates Adam's moments
+            return self._update(step, micro, total)
         except RuntimeError as err:
             if not is_out_of_memory(err):
                 raise
             raise self._out_of_memory(step, host) from None
+
+    def _update(self, step: int, micro: list[tuple[torch.Tensor, ...]], total: int) -> dict[str, float] | None:
+        """train_step on micro-batches already on the device."""
+        t = self.tcfg
+        loss_sum, nll_sum = forward_backward(self.objective, micro, total, self.dist.world_size, self.autocast,
+                                             self.scaler)
         sums = dist_utils.all_reduce_sum(torch.tensor([loss_sum, nll_sum], dtype=torch.float64,
                                                       device=self.device), self.dist).tolist()
         if not math.isfinite(sums[0]):
@@ -279,12 +284,7 @@ class Trainer:
         lr = lr_at(step, self.cfg.model.d_model, t.warmup_steps, t.lr_scale, t.max_steps, t.cooldown_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        try:
-            grad_norm = self._clip_and_step()
-        except RuntimeError as err:  # the first step allocates Adam's moments
-            if not is_out_of_memory(err):
-                raise
-            raise self._out_of_memory(step, host) from None
+        grad_norm = self._clip_and_step()
         if grad_norm is None:
             return None
         if not math.isfinite(grad_norm):  # the float16 scaler skipped the update: no step, nothing to log
