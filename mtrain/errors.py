@@ -20,3 +20,15 @@ def is_out_of_memory(err: BaseException) -> bool:
     """Whether err says a device (or the host) ran out of memory. torch.OutOfMemoryError (2.5 on)
     is torch.cuda.OutOfMemoryError, a RuntimeError, so the message test covers torch 2.4 as well."""
     return isinstance(err, RuntimeError) and any(m in str(err) for m in _OUT_OF_MEMORY_MESSAGES)
+
+
+# How a collective reports that another rank of the job is gone: gloo sees the peer's socket close;
+# NCCL (and gloo in newer torch) raise torch.distributed.DistBackendError, for example when the
+# watchdog aborts a collective that waited past the timeout.
+_LOST_PEER_MESSAGES = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
+
+
+def is_lost_peer(err: BaseException) -> bool:
+    """Whether err is a collective failing because another rank of the job stopped."""
+    return isinstance(err, RuntimeError) and (type(err).__name__ == "DistBackendError"
+                                              or any(m in str(err) for m in _LOST_PEER_MESSAGES))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import signal
 import sys
 import threading
@@ -31,7 +32,7 @@ from mtrain import distributed as dist_utils
 from mtrain.atomic import atomic_write
 from mtrain.config import Config, to_dict, to_yaml
 from mtrain.data import target_tokens
-from mtrain.errors import MtrainError
+from mtrain.errors import MtrainError, is_lost_peer
 from mtrain.hardware import amp_note, precision_name, resolve_device
 from mtrain.lock import RunLock
 from mtrain.memory import release_free_memory
@@ -349,8 +350,22 @@ def train(cfg: Config, data_dir: str | Path, run_dir: str | Path | None, device:
                     print(json.dumps(summary, indent=2))
                 return summary
             return _run(trainer)
+    except RuntimeError as err:
+        if info.enabled and is_lost_peer(err):
+            raise lost_peer_error(err, info, Path(run_dir or ".")) from None
+        raise
     finally:
         dist_utils.teardown(info)
+
+
+def lost_peer_error(err: RuntimeError, info: dist_utils.DistInfo, run_dir: Path) -> MtrainError:
+    """The line a rank prints when another rank of the job stopped (out of memory, killed, a
+    failed write) while this one waited for it in a collective: the other rank's own line says why."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    cause = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]  # gloo prefixes its source file and line
+    return MtrainError(f"rank {info.rank}: another rank of this job stopped ({cause}); its own error line says why. "
+                       f"{run_dir / 'last.pt'} holds the last save: fix the cause and re-run the same command "
+                       "to resume from it")
 
 
 def lock_run_folder(stack: contextlib.ExitStack, run_dir: Path, info: dist_utils.DistInfo,

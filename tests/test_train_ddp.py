@@ -69,3 +69,92 @@ def test_process_group_waits_longer_than_a_validation_on_rank_0(monkeypatch, dev
     assert made == [{"backend": backend, "rank": 1, "world_size": 2, "timeout": datetime.timedelta(hours=2)}]
     distributed.setup(distributed.DistInfo(), torch.device(device))  # one process: no group
     assert len(made) == 1
+
+
+# ---------------------------------------------------------------- one rank runs out of memory
+
+OOM_ARGS = ARGS + ["train.max_steps=6", "train.save_every=2", "train.update_freq=1"]
+
+
+def _rank_out_of_memory(rank: int, port: int, data_dir: str, run_dir: str, report: str, oom_at: int) -> None:
+    """One rank of a 2-process gloo job; rank 1's forward of update `oom_at` runs out of memory
+    (0: never). Writes the rank's outcome to report/rank<N>.json."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from mtrain import trainer
+    from mtrain.errors import MtrainError
+    from mtrain.train import train
+
+    if rank == 1 and oom_at:
+        forward_backward, calls = trainer.forward_backward, []
+
+        def out_of_memory(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == oom_at:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return forward_backward(*args, **kwargs)
+
+        trainer.forward_backward = out_of_memory
+    try:
+        train(load_config(None, OOM_ARGS), data_dir, run_dir, device="cpu")
+        outcome = "trained"
+    except MtrainError as err:
+        outcome = str(err)
+    with open(os.path.join(report, f"rank{rank}.json"), "w") as f:
+        json.dump(outcome, f)
+
+
+def _job(tmp_path, data_dir, run_dir, oom_at: int) -> list[str]:
+    """Both ranks' outcomes; fails if a rank is still waiting in a collective after 2 minutes."""
+    import time
+
+    report = tmp_path / f"report-{len(list(tmp_path.glob('report-*')))}"
+    report.mkdir()
+    context = mp.spawn(_rank_out_of_memory, args=(_free_port(), str(data_dir), str(run_dir), str(report), oom_at),
+                       nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    while not context.join(timeout=5):
+        assert time.monotonic() < deadline, "a rank did not end: it waits in a collective"
+    return [json.loads((report / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+@pytest.mark.slow  # three 2-process gloo jobs, ~30 s on 2 cores
+def test_when_one_rank_runs_out_of_memory_every_rank_stops_and_the_run_resumes_exactly(copy_data, tmp_path):  # noqa: F811
+    run_dir = tmp_path / "run"
+    main, other = _job(tmp_path, copy_data, run_dir, oom_at=3)
+    assert other.startswith(f"step 3: out of cpu memory in a batch of "), other
+    assert f"{run_dir / 'last.pt'} is intact, and re-running the same command with --set train.max_tokens=" in other
+    # Rank 0 waited for rank 1 in the update's gradient all-reduce: one line, not gloo's traceback.
+    assert main.startswith("rank 0: another rank of this job stopped (Connection closed by peer"), main
+    assert main.endswith(f"its own error line says why. {run_dir / 'last.pt'} holds the last save: fix the cause "
+                         "and re-run the same command to resume from it"), main
+    assert torch.load(run_dir / "last.pt", weights_only=True)["step"] == 2
+
+    assert _job(tmp_path, copy_data, run_dir, oom_at=0) == ["trained", "trained"]
+    assert _job(tmp_path, copy_data, tmp_path / "straight", oom_at=0) == ["trained", "trained"]
+    assert _losses(run_dir)[-4:] == _losses(tmp_path / "straight")[-4:]
+    resumed = torch.load(run_dir / "last.pt", weights_only=True)["model"]
+    straight = torch.load(tmp_path / "straight" / "last.pt", weights_only=True)["model"]
+    for key in straight:
+        assert torch.equal(resumed[key], straight[key]), key
+
+
+def test_a_collective_that_lost_its_peer_becomes_one_line(tmp_path):
+    from mtrain import distributed
+    from mtrain.errors import is_lost_peer
+    from mtrain.train import lost_peer_error
+
+    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+                        "by peer [127.0.0.1]:11978. This is typically caused by a remote worker crashing.")
+    assert is_lost_peer(gloo)
+    assert is_lost_peer(RuntimeError("Connection reset by peer"))
+    backend_error = type("DistBackendError", (RuntimeError,), {})("NCCL communicator was aborted on rank 1.")
+    assert is_lost_peer(backend_error)
+    assert not is_lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_lost_peer(OSError("Connection closed by peer"))  # not a collective's error
+    line = str(lost_peer_error(gloo, distributed.DistInfo(rank=1, world_size=2), tmp_path))
+    assert line == (f"rank 1: another rank of this job stopped (Connection closed by peer [127.0.0.1]:11978); its "
+                    f"own error line says why. {tmp_path / 'last.pt'} holds the last save: fix the cause and re-run "
+                    "the same command to resume from it")
+    assert "\n" not in str(lost_peer_error(backend_error, distributed.DistInfo(rank=0, world_size=2), tmp_path))
