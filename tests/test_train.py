@@ -190,6 +190,31 @@ def test_nonfinite_loss_is_skipped_and_counted(copy_data, tmp_path, nan_losses):
     assert all(torch.isfinite(w).all() for w in weights(tmp_path / "last.pt").values())
 
 
+def test_an_update_the_float16_scaler_skips_is_not_counted(copy_data, tmp_path, monkeypatch):
+    """The gradient scaler skips the 3rd update (overflowed float16 gradients): the loop runs one
+    more train_step, every step 1..5 is logged once with the lr of its own step, and no non-finite
+    loss is counted. The scaler itself is tested in test_train_units; here its verdict is faked."""
+    from mtrain.trainer import Trainer
+
+    clip_and_step, calls = Trainer._clip_and_step, []
+
+    def skip_third(self):
+        calls.append(1)
+        if len(calls) == 3:  # what _clip_and_step returns when the scaler skipped the step
+            self.optimizer.zero_grad(set_to_none=True)
+            return float("inf")
+        return clip_and_step(self)
+
+    monkeypatch.setattr(Trainer, "_clip_and_step", skip_third)
+    result = run(copy_data, tmp_path, "train.max_steps=5", "train.log_every=1", "train.eval_every=100")
+    assert (len(calls), result["step"], result["nonfinite"]) == (6, 5, 0)
+    logged = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+              if r["event"] == "train"]
+    assert [r["step"] for r in logged] == [1, 2, 3, 4, 5]
+    for r in logged:  # warmup 10: lr = 0.5 * 32^-0.5 * step * 10^-1.5, not one step ahead
+        assert r["lr"] == pytest.approx(0.5 * 32**-0.5 * r["step"] * 10**-1.5, rel=1e-9)
+
+
 def test_too_many_nonfinite_losses_stop_naming_the_step(copy_data, tmp_path, nan_losses):
     nan_losses(range(3, 101))
     with pytest.raises(MtrainError, match=r"^step 3: 4 non-finite losses in a row"):
