@@ -1,9 +1,10 @@
 """train.max_tokens=auto: the largest token budget per batch whose training step fits in the
 device's memory with a margin, found at start-up by running forward, backward and an optimizer
-step on the most demanding batch of each budget tried (the longest training pairs: at a given
-token budget, long sentences need the most memory, attention growing with the square of their
-length). A run that resumes keeps the budget its last.pt was trained with, so its batches, and
-resume, stay exact.
+step on the two most demanding batches of each budget tried. At a given token budget the longest
+training pairs need the most memory for attention, which grows with the square of their length.
+The pairs with the longest targets need the most for the output layer and the loss, which grow
+with the real target tokens (a batch padded to a long source holds fewer). A run that resumes
+keeps the budget its last.pt was trained with, so its batches, and resume, stay exact.
 
 Only a GPU has memory worth probing: on a CPU, auto means the default budget."""
 
@@ -69,6 +70,24 @@ def longest_rows(src_lengths: np.ndarray, tgt_lengths: np.ndarray, budget: int) 
     return order[:max(1, budget // int(cost[order[0]]))]
 
 
+def fullest_target_rows(src_lengths: np.ndarray, tgt_lengths: np.ndarray, budget: int) -> np.ndarray:
+    """The indices of the batch of a token budget with the most real target tokens, near enough:
+    the pairs with the longest targets, as many as fit when padded to the batch's widest pair."""
+    cost = np.maximum(src_lengths, tgt_lengths).astype(np.int64) + 1
+    order = np.argsort(-np.asarray(tgt_lengths), kind="stable")
+    widest = np.maximum.accumulate(cost[order])
+    fits = np.arange(1, len(order) + 1) * widest <= budget  # a prefix: k * widest[k-1] grows with k
+    return order[:max(1, int(fits.sum()))]
+
+
+def probe_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, budget: int) -> list[np.ndarray]:
+    """The batches a budget is probed on: the longest pairs, and the fullest targets when they differ."""
+    longest = longest_rows(src_lengths, tgt_lengths, budget)
+    fullest = fullest_target_rows(src_lengths, tgt_lengths, budget)
+    same = len(longest) == len(fullest) and set(longest.tolist()) == set(fullest.tolist())
+    return [longest] if same else [longest, fullest]
+
+
 def longest_cost(src_lengths: np.ndarray, tgt_lengths: np.ndarray) -> int:
     return int(np.maximum(src_lengths, tgt_lengths).max()) + 1
 
@@ -78,7 +97,7 @@ def round_down(tokens: float) -> int:
 
 
 class Probe:
-    """Measures the peak memory of one training step at a budget; None when it ran out of memory."""
+    """Measures the peak memory of a budget's training steps; None when one ran out of memory."""
 
     def __init__(self, step: Callable[[int], None], gauge: MemoryGauge, log: Callable[[str], None]) -> None:
         self.step, self.gauge, self.log = step, gauge, log

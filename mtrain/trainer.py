@@ -172,8 +172,8 @@ class Trainer:
             tokens, why = probe.CPU_DEFAULT, f"the default on {self.device.type}, where memory does not limit a batch"
         else:
             tokens, why = self._probe_max_tokens(cfg, gauge), (
-                f"the largest budget whose step on the longest training pairs fits in {self.device}'s memory "
-                f"with {probe.MARGIN:.0%} left free")
+                f"the largest budget whose steps on the longest pairs and on the longest targets fit in "
+                f"{self.device}'s memory with {probe.MARGIN:.0%} left free")
             tokens = smallest_over_ranks(tokens, self.dist, self.device)  # one budget for every rank
         self.log(f"train.max_tokens=auto: {tokens} ({why})")
         return replace(cfg, train={"max_tokens": tokens})
@@ -191,14 +191,14 @@ class Trainer:
             amp_dtype = resolve_amp(t.amp, device)
 
             def step(budget: int) -> None:
-                rows = probe.longest_rows(split.src.lengths, split.tgt.lengths, budget)
-                batch = collate(split, rows, device=device)
-                try:
-                    forward_backward(objective, [batch], target_tokens(split.tgt.lengths, [rows]),
-                                     autocast=lambda: autocast(device, amp_dtype))
-                    optimizer.step()
-                finally:
-                    optimizer.zero_grad(set_to_none=True)
+                for rows in probe.probe_batches(split.src.lengths, split.tgt.lengths, budget):
+                    batch = collate(split, rows, device=device)
+                    try:
+                        forward_backward(objective, [batch], target_tokens(split.tgt.lengths, [rows]),
+                                         autocast=lambda: autocast(device, amp_dtype))
+                        optimizer.step()
+                    finally:
+                        optimizer.zero_grad(set_to_none=True)
 
             floor = probe.longest_cost(split.src.lengths, split.tgt.lengths)
             tokens = probe.search(probe.Probe(step, gauge, self.log), gauge.capacity(), floor)

@@ -70,6 +70,18 @@ def test_the_probe_batch_is_the_longest_pairs_the_budget_holds():
     assert probe.longest_rows(src, tgt, 10).tolist() == [2]  # at least one
 
 
+def test_the_fullest_target_batch_holds_the_longest_targets_the_budget_holds():
+    import numpy as np
+
+    src, tgt = np.array([3, 9, 4, 20, 7, 19]), np.array([5, 8, 25, 2, 6, 18])
+    # by target: rows 2 (25), 5 (18), 1 (8), 4 (6); widest costs 26, 26, 26, 26: 80 holds 3 of them
+    assert probe.fullest_target_rows(src, tgt, 80).tolist() == [2, 5, 1]
+    assert probe.fullest_target_rows(src, tgt, 10).tolist() == [2]  # at least one
+    assert [b.tolist() for b in probe.probe_batches(src, tgt, 80)] == [[2, 3, 5], [2, 5, 1]]
+    same = np.array([4, 4, 4]), np.array([4, 4, 4])  # the longest pairs are the fullest targets: one batch
+    assert [b.tolist() for b in probe.probe_batches(*same, 10)] == [[0, 1]]
+
+
 # ---------------------------------------------------------------- the probe in a run, on a fake device
 
 TINY = ["model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.n_encoder_layers=1",
@@ -79,13 +91,14 @@ TINY = ["model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.n_encoder
 
 class FakeDevice:
     """A memory query patched in for the CPU: a step needs fixed + per_token * (padded tokens of
-    its largest side), and a step needing more than `capacity` runs out of memory, as CUDA would."""
+    its largest side) + per_target * (real target tokens: the output layer and the loss), and a
+    step needing more than `capacity` runs out of memory, as CUDA would."""
 
-    def __init__(self, capacity: int, fixed: int = 100 * MiB, per_token: int = MiB // 8) -> None:
-        self.total, self.fixed, self.per_token, self.current = capacity, fixed, per_token, 0
+    def __init__(self, capacity: int, fixed: int = 100 * MiB, per_token: int = MiB // 8, per_target: int = 0) -> None:
+        self.total, self.fixed, self.per_token, self.per_target, self.current = capacity, fixed, per_token, per_target, 0
 
-    def need(self, tokens: int) -> int:
-        return self.fixed + self.per_token * tokens
+    def need(self, tokens: int, targets: int = 0) -> int:
+        return self.fixed + self.per_token * tokens + self.per_target * targets
 
     def capacity(self) -> int:
         return self.total
@@ -103,8 +116,8 @@ class FakeDevice:
         original = trainer.forward_backward
 
         def forward_backward(objective, micro, *args, **kwargs):
-            for src, tgt_in, _ in micro:
-                need = self.need(max(src.numel(), tgt_in.numel()))
+            for src, tgt_in, tgt_out in micro:
+                need = self.need(max(src.numel(), tgt_in.numel()), int((tgt_out != 0).sum()))  # pad id 0
                 if need > self.total:
                     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
                 self.current = max(self.current, need)
@@ -136,9 +149,35 @@ def test_auto_picks_the_largest_budget_that_fits_and_says_so(tokenized_slice, mo
     assert device.need(padded(chosen)) <= limit
     assert device.need(padded(chosen * 17 // 16 + 2 * probe.GRAIN + longest)) > limit  # near the largest
     logged = [x for x in result.stderr.splitlines() if x.startswith("train.max_tokens=auto:")]
-    assert logged == [f"train.max_tokens=auto: {chosen} (the largest budget whose step on the longest training "
-                      f"pairs fits in cpu's memory with 10% left free)"]
+    assert logged == [f"train.max_tokens=auto: {chosen} (the largest budget whose steps on the longest pairs and "
+                      f"on the longest targets fit in cpu's memory with 10% left free)"]
     assert "max_tokens probe:" in result.stderr  # each budget tried, with its peak
+
+
+def test_auto_keeps_the_batch_with_the_most_target_tokens_under_the_limit(tokenized_slice, monkeypatch):
+    """Where memory follows the real target tokens (the output layer and the loss at a large
+    vocabulary), the longest pairs are not the most demanding batch: a long source pads a batch that
+    holds fewer targets. The chosen budget keeps the fullest-target batch under the limit, and is
+    near the largest that does."""
+    from mtrain.data import TokenizedData
+
+    device = FakeDevice(capacity=800 * MiB, per_token=MiB // 64, per_target=MiB // 8)
+    device.patch(monkeypatch)
+    result = train_cli(tokenized_slice, None, "train.max_tokens=auto")
+    assert result.exit_code == 0, result.output
+    chosen = json.loads(result.stdout[result.stdout.index("{"):])["max_tokens"]
+    split = TokenizedData(tokenized_slice).split("train")
+    src, tgt = split.src.lengths, split.tgt.lengths
+
+    def need(budget: int) -> int:  # the fullest-target batch's (its target tokens plus EOS)
+        rows = probe.fullest_target_rows(src, tgt, budget)
+        width = int((probe.np.maximum(src, tgt)[rows]).max()) + 1
+        return device.need(len(rows) * width, int(tgt[rows].sum()) + len(rows))
+
+    limit = 0.9 * device.total
+    assert need(chosen) <= limit < need(chosen * 17 // 16 + 4 * probe.GRAIN)
+    longest = probe.longest_rows(src, tgt, chosen)
+    assert int(tgt[longest].sum()) < int(tgt[probe.fullest_target_rows(src, tgt, chosen)].sum())
 
 
 def test_auto_run_starts_as_one_given_its_budget_and_resumes_with_it(tokenized_slice, tmp_path, monkeypatch):
