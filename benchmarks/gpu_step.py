@@ -1,8 +1,9 @@
-"""Training speed and memory on a GPU: mtrain's training step as `mtrain train` runs it (autocast
-in the precision train.amp=auto picks on this device: bfloat16 from compute capability 8.0,
-float16 with a gradient scaler before; fused Adam) next to the usual `torch.nn.Transformer` build
+"""Training speed and memory on a GPU: mtrain's model and loss (autocast in the precision
+train.amp=auto picks on this device: bfloat16 from compute capability 8.0, float16 with a
+gradient scaler before), backward and fused Adam, next to the usual `torch.nn.Transformer` build
 on the same batches in the same precision, at several token budgets, each with its peak memory.
-Then the budget `train.max_tokens=auto` picks here, by mtrain's own probe.
+Then the budget `train.max_tokens=auto` picks here, by mtrain's own probe. What `mtrain train`
+adds to a step is not timed: gradient clipping's norm, the loss's all-reduce and logging.
 
     python benchmarks/gpu_step.py --json                       # the paper's base shape, 32k vocabulary
     python benchmarks/gpu_step.py --device cpu --quick         # a check that the script runs (no GPU)
@@ -68,9 +69,9 @@ class Step:
         self.model = model
         self.scaler = torch.amp.GradScaler(device.type) if amp == torch.float16 else None
 
-    def __call__(self, batch: Batch) -> None:
+    def __call__(self, batch: Batch, tokens: int) -> None:
+        """One update on batch, whose real target tokens (counted on the host) normalise the loss."""
         self.optimizer.zero_grad(set_to_none=True)
-        tokens = int((batch[2] != PAD).sum())
         autocast = torch.autocast(self.device.type, dtype=self.amp) if self.amp else contextlib.nullcontext()
         with autocast:
             loss = self.loss(batch) / tokens
@@ -102,24 +103,24 @@ def peaks(device: torch.device) -> dict[str, float | None]:
             "peak_reserved_gib": round(torch.cuda.max_memory_reserved(device) / GiB, 2)}
 
 
-def measure(name: str, cfg: ModelConfig, batches: list[Batch], device: torch.device, amp: torch.dtype | None,
-            rounds: int) -> dict[str, object]:
+def measure(name: str, cfg: ModelConfig, batches: list[tuple[Batch, int]], device: torch.device,
+            amp: torch.dtype | None, rounds: int) -> dict[str, object]:
     """tokens/s over rounds x batches after one warm-up pass, and the peak memory of it all."""
     step = None
     try:
         reset_peak(device)
         step = Step(name, cfg, device, amp)
-        for batch in batches:  # warm-up: kernels chosen, the allocator's blocks cached, Adam's moments made
-            step(batch)
+        for batch, tokens in batches:  # warm-up: kernels chosen, the allocator's blocks cached, Adam's moments made
+            step(batch, tokens)
         synchronize(device)
-        tokens = rounds * sum(int((b[2] != PAD).sum()) for b in batches)
         start = time.perf_counter()
         for _ in range(rounds):
-            for batch in batches:
-                step(batch)
+            for batch, tokens in batches:
+                step(batch, tokens)
         synchronize(device)
         seconds = time.perf_counter() - start
-        return {"tok_s": round(tokens / seconds, 1), "step_ms": round(1000 * seconds / (rounds * len(batches)), 1),
+        total = rounds * sum(tokens for _, tokens in batches)
+        return {"tok_s": round(total / seconds, 1), "step_ms": round(1000 * seconds / (rounds * len(batches)), 1),
                 **peaks(device)}
     except RuntimeError as err:
         if not is_out_of_memory(err):
@@ -142,7 +143,8 @@ def auto_budget(cfg: ModelConfig, src: np.ndarray, tgt: np.ndarray, device: torc
 
     def run(budget: int) -> None:
         for rows in probe.probe_batches(src, tgt, budget):
-            step(tuple(t.to(device) for t in to_batch(src[rows], tgt[rows], cfg.vocab_size, generator)))
+            batch = to_batch(src[rows], tgt[rows], cfg.vocab_size, generator)
+            step(tuple(t.to(device) for t in batch), int((batch[2] != PAD).sum()))
 
     try:
         return probe.search(probe.Probe(run, gauge, log), gauge.capacity(), probe.longest_cost(src, tgt))
@@ -173,11 +175,11 @@ def main() -> None:
     log(f"{name}, {args.shape if not args.quick else 'quick'} shape, precision {amp or torch.float32}, {lengths}")
     rows = []
     for budget in args.budgets:
-        batches = [tuple(t.to(device) for t in b)
-                   for b in bucketed_batches(src, tgt, budget, args.batches, cfg.vocab_size, seed=1)]
+        host = bucketed_batches(src, tgt, budget, args.batches, cfg.vocab_size, seed=1)
+        batches = [(tuple(t.to(device) for t in b), int((b[2] != PAD).sum())) for b in host]
         row: dict[str, object] = {"max_tokens": budget,
-                                  "target_tokens_per_batch": round(float(np.mean([int((b[2] != PAD).sum())
-                                                                                  for b in batches])), 1)}
+                                  "padded_tokens_per_batch_max": max(max(b[0].numel(), b[1].numel()) for b in host),
+                                  "target_tokens_per_batch": round(float(np.mean([n for _, n in batches])), 1)}
         for model in ("mtrain", "nn.Transformer"):
             row[model] = measure(model, cfg, batches, device, amp, args.rounds)
             log(f"max_tokens {budget}: {model}: {row[model]}")

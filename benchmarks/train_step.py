@@ -148,7 +148,7 @@ class TorchTransformer(nn.Module):
         x = self.dropout(self.embed(src) * self.scale + self.pe[:src.shape[1]])
         y = self.dropout(self.embed(tgt_in) * self.scale + self.pe[:tgt_in.shape[1]])
         T = tgt_in.shape[1]
-        causal = torch.ones(T, T, dtype=torch.bool).triu(1)  # True = blocked (nn.MultiheadAttention)
+        causal = torch.ones(T, T, dtype=torch.bool, device=tgt_in.device).triu(1)  # True = blocked (nn.MultiheadAttention)
         states = self.transformer(x, y, tgt_mask=causal, tgt_is_causal=True, src_key_padding_mask=src == PAD,
                                   tgt_key_padding_mask=tgt_in == PAD, memory_key_padding_mask=src == PAD)
         return states @ self.embed.weight.T  # (B, T, V)

@@ -22,13 +22,14 @@ def is_out_of_memory(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(m in str(err) for m in _OUT_OF_MEMORY_MESSAGES)
 
 
-# How a collective reports that another rank of the job is gone: gloo sees the peer's socket close;
-# NCCL (and gloo in newer torch) raise torch.distributed.DistBackendError, for example when the
-# watchdog aborts a collective that waited past the timeout.
-_LOST_PEER_MESSAGES = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
+# How a collective reports that another rank of the job is gone. gloo sees the peer's socket close
+# (or a write to it fail); NCCL, when it notices at all, reports the remote side's failure or a
+# communicator aborted because of it. Other NCCL errors (a bad setup, a duplicate GPU) are not this.
+_LOST_PEER_MESSAGES = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing",
+                       "Broken pipe", "Socket closed", "ncclRemoteError", "remote process exited",
+                       "communicator was aborted")
 
 
 def is_lost_peer(err: BaseException) -> bool:
     """Whether err is a collective failing because another rank of the job stopped."""
-    return isinstance(err, RuntimeError) and (type(err).__name__ == "DistBackendError"
-                                              or any(m in str(err) for m in _LOST_PEER_MESSAGES))
+    return isinstance(err, RuntimeError) and any(m in str(err) for m in _LOST_PEER_MESSAGES)

@@ -71,13 +71,29 @@ def longest_rows(src_lengths: np.ndarray, tgt_lengths: np.ndarray, budget: int) 
 
 
 def fullest_target_rows(src_lengths: np.ndarray, tgt_lengths: np.ndarray, budget: int) -> np.ndarray:
-    """The indices of the batch of a token budget with the most real target tokens, near enough:
-    the pairs with the longest targets, as many as fit when padded to the batch's widest pair."""
-    cost = np.maximum(src_lengths, tgt_lengths).astype(np.int64) + 1
-    order = np.argsort(-np.asarray(tgt_lengths), kind="stable")
-    widest = np.maximum.accumulate(cost[order])
-    fits = np.arange(1, len(order) + 1) * widest <= budget  # a prefix: k * widest[k-1] grows with k
-    return order[:max(1, int(fits.sum()))]
+    """The indices of the batch of a token budget with the most real target tokens. A batch whose
+    widest pair costs c (max(src, tgt) + 1) holds budget // c pairs, all costing at most c; the
+    most targets it can hold are the budget // c longest targets among those pairs. So every cost
+    c present is tried, on the (target length, cost) classes of the pairs rather than the pairs,
+    and the best c's batch is returned (at least one pair)."""
+    tgt = np.asarray(tgt_lengths).astype(np.int64)
+    cost = np.maximum(np.asarray(src_lengths).astype(np.int64), tgt) + 1
+    top_t, top_c = int(tgt.max()), int(cost.max()) + 1
+    classes, counts = np.unique((top_t - tgt) * top_c + cost, return_counts=True)  # longest targets first
+    class_tgt, class_cost = top_t - classes // top_c, classes % top_c
+    best, widest = -1, 0
+    for c in np.unique(cost):
+        k = budget // int(c)
+        if k == 0:
+            continue
+        n, t = counts[class_cost <= c], class_tgt[class_cost <= c]
+        taken = np.clip(k - (np.cumsum(n) - n), 0, n)  # of each class, in order, until k pairs
+        if int((taken * t).sum()) > best:
+            best, widest = int((taken * t).sum()), int(c)
+    order = np.argsort(-tgt, kind="stable")
+    if not widest:  # no pair fits the budget: the longest target alone
+        return order[:1]
+    return order[cost[order] <= widest][:budget // widest]
 
 
 def probe_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, budget: int) -> list[np.ndarray]:

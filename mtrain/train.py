@@ -363,9 +363,11 @@ def lost_peer_error(err: RuntimeError, info: dist_utils.DistInfo, run_dir: Path)
     failed write) while this one waited for it in a collective: the other rank's own line says why."""
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     cause = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]  # gloo prefixes its source file and line
+    last = run_dir / "last.pt"
+    resume = (f"{last} holds the last save: fix the cause and re-run the same command to resume from it"
+              if last.is_file() else "nothing was saved yet: fix the cause and re-run the same command")
     return MtrainError(f"rank {info.rank}: another rank of this job stopped ({cause}); its own error line says why. "
-                       f"{run_dir / 'last.pt'} holds the last save: fix the cause and re-run the same command "
-                       "to resume from it")
+                       + resume)
 
 
 def lock_run_folder(stack: contextlib.ExitStack, run_dir: Path, info: dist_utils.DistInfo,

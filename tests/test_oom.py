@@ -70,16 +70,29 @@ def test_the_probe_batch_is_the_longest_pairs_the_budget_holds():
     assert probe.longest_rows(src, tgt, 10).tolist() == [2]  # at least one
 
 
-def test_the_fullest_target_batch_holds_the_longest_targets_the_budget_holds():
+def test_the_fullest_target_batch_holds_the_most_target_tokens_the_budget_allows():
+    import itertools
+
     import numpy as np
 
     src, tgt = np.array([3, 9, 4, 20, 7, 19]), np.array([5, 8, 25, 2, 6, 18])
-    # by target: rows 2 (25), 5 (18), 1 (8), 4 (6); widest costs 26, 26, 26, 26: 80 holds 3 of them
-    assert probe.fullest_target_rows(src, tgt, 80).tolist() == [2, 5, 1]
-    assert probe.fullest_target_rows(src, tgt, 10).tolist() == [2]  # at least one
-    assert [b.tolist() for b in probe.probe_batches(src, tgt, 80)] == [[2, 3, 5], [2, 5, 1]]
+    # costs 6, 10, 26, 21, 8, 20. At 40: widest 20 holds 2 pairs, the longest targets costing <= 20
+    # are rows 5 and 1 (18 + 8 = 26), more than row 2 alone (25, widest 26) or 1, 4, 0 (19, widest 10).
+    assert probe.fullest_target_rows(src, tgt, 40).tolist() == [5, 1]
+    assert probe.fullest_target_rows(src, tgt, 80).tolist() == [2, 5, 1]  # widest 26: 3 pairs, 51 targets
+    assert probe.fullest_target_rows(src, tgt, 10).tolist() == [1]  # only row 1 (cost 10) fits
+    assert [b.tolist() for b in probe.probe_batches(src, tgt, 40)] == [[2], [5, 1]]
     same = np.array([4, 4, 4]), np.array([4, 4, 4])  # the longest pairs are the fullest targets: one batch
     assert [b.tolist() for b in probe.probe_batches(*same, 10)] == [[0, 1]]
+    rng = np.random.default_rng(0)  # against every subset that fits, on small random corpora
+    for _ in range(200):
+        n = int(rng.integers(1, 10))
+        src, tgt, budget = rng.integers(1, 15, n), rng.integers(1, 15, n), int(rng.integers(16, 80))
+        cost = np.maximum(src, tgt) + 1
+        best = max(int(tgt[list(rows)].sum()) for k in range(1, n + 1) for rows in itertools.combinations(range(n), k)
+                   if k * cost[list(rows)].max() <= budget)
+        rows = probe.fullest_target_rows(src, tgt, budget)
+        assert int(tgt[rows].sum()) == best and len(rows) * cost[rows].max() <= budget
 
 
 # ---------------------------------------------------------------- the probe in a run, on a fake device
@@ -157,9 +170,11 @@ def test_auto_picks_the_largest_budget_that_fits_and_says_so(tokenized_slice, mo
 def test_auto_keeps_the_batch_with_the_most_target_tokens_under_the_limit(tokenized_slice, monkeypatch):
     """Where memory follows the real target tokens (the output layer and the loss at a large
     vocabulary), the longest pairs are not the most demanding batch: a long source pads a batch that
-    holds fewer targets. The chosen budget keeps the fullest-target batch under the limit, and is
-    near the largest that does."""
-    from mtrain.data import TokenizedData
+    holds fewer targets. At the chosen budget every batch of an epoch stays under the limit, and the
+    budget is near the largest for which the fullest-target batch does."""
+    import numpy as np
+
+    from mtrain.data import TokenizedData, make_batches
 
     device = FakeDevice(capacity=800 * MiB, per_token=MiB // 64, per_target=MiB // 8)
     device.patch(monkeypatch)
@@ -168,16 +183,16 @@ def test_auto_keeps_the_batch_with_the_most_target_tokens_under_the_limit(tokeni
     chosen = json.loads(result.stdout[result.stdout.index("{"):])["max_tokens"]
     split = TokenizedData(tokenized_slice).split("train")
     src, tgt = split.src.lengths, split.tgt.lengths
+    cost = np.maximum(src, tgt) + 1
 
-    def need(budget: int) -> int:  # the fullest-target batch's (its target tokens plus EOS)
-        rows = probe.fullest_target_rows(src, tgt, budget)
-        width = int((probe.np.maximum(src, tgt)[rows]).max()) + 1
-        return device.need(len(rows) * width, int(tgt[rows].sum()) + len(rows))
+    def need(rows) -> int:  # padded tokens of the batch, and its target tokens plus EOS
+        return device.need(len(rows) * int(cost[rows].max()), int(tgt[rows].sum()) + len(rows))
 
     limit = 0.9 * device.total
-    assert need(chosen) <= limit < need(chosen * 17 // 16 + 4 * probe.GRAIN)
+    assert max(need(rows) for rows in make_batches(src, tgt, chosen, seed=1, epoch=1)) <= limit
+    assert need(probe.fullest_target_rows(src, tgt, chosen * 17 // 16 + 4 * probe.GRAIN)) > limit
     longest = probe.longest_rows(src, tgt, chosen)
-    assert int(tgt[longest].sum()) < int(tgt[probe.fullest_target_rows(src, tgt, chosen)].sum())
+    assert need(longest) < need(probe.fullest_target_rows(src, tgt, chosen))
 
 
 def test_auto_run_starts_as_one_given_its_budget_and_resumes_with_it(tokenized_slice, tmp_path, monkeypatch):
