@@ -140,9 +140,10 @@ def auto_budget(cfg: ModelConfig, src: np.ndarray, tgt: np.ndarray, device: torc
         return None
     generator = torch.Generator().manual_seed(0)
     step = Step("mtrain", cfg, device, amp)
+    batches = probe.ProbeBatches(src, tgt)
 
     def run(budget: int) -> None:
-        for rows in probe.probe_batches(src, tgt, budget):
+        for rows in batches(budget):
             batch = to_batch(src[rows], tgt[rows], cfg.vocab_size, generator)
             step(tuple(t.to(device) for t in batch), int((batch[2] != PAD).sum()))
 

@@ -62,46 +62,49 @@ def memory_gauge(device: torch.device) -> MemoryGauge | None:
     return CudaMemory(device) if device.type == "cuda" else None
 
 
-def longest_rows(src_lengths: np.ndarray, tgt_lengths: np.ndarray, budget: int) -> np.ndarray:
-    """The indices of the most demanding batch of a token budget: the longest pairs (by
-    max(src, tgt) + 1, make_batches' cost), as many as the budget holds (at least one)."""
-    cost = np.maximum(src_lengths, tgt_lengths).astype(np.int64) + 1
-    order = np.argsort(-cost, kind="stable")
-    return order[:max(1, budget // int(cost[order[0]]))]
+class ProbeBatches:
+    """The batches a budget is probed on, for every budget the search tries: the longest pairs (by
+    max(src, tgt) + 1, make_batches' cost), as many as the budget holds, and, when it is another
+    batch, the one with the most real target tokens. The corpus is sorted once, here."""
 
+    def __init__(self, src_lengths: np.ndarray, tgt_lengths: np.ndarray) -> None:
+        tgt = np.asarray(tgt_lengths).astype(np.int64)
+        self.cost = np.maximum(np.asarray(src_lengths).astype(np.int64), tgt) + 1
+        self.by_cost = np.argsort(-self.cost, kind="stable")
+        self.by_target = np.argsort(-tgt, kind="stable")
+        self.cost_by_target = self.cost[self.by_target]
+        top_t, top_c = int(tgt.max()), int(self.cost.max()) + 1
+        classes, self.counts = np.unique((top_t - tgt) * top_c + self.cost, return_counts=True)  # longest targets first
+        self.class_tgt, self.class_cost = top_t - classes // top_c, classes % top_c
+        self.costs = np.unique(self.cost)
 
-def fullest_target_rows(src_lengths: np.ndarray, tgt_lengths: np.ndarray, budget: int) -> np.ndarray:
-    """The indices of the batch of a token budget with the most real target tokens. A batch whose
-    widest pair costs c (max(src, tgt) + 1) holds budget // c pairs, all costing at most c; the
-    most targets it can hold are the budget // c longest targets among those pairs. So every cost
-    c present is tried, on the (target length, cost) classes of the pairs rather than the pairs,
-    and the best c's batch is returned (at least one pair)."""
-    tgt = np.asarray(tgt_lengths).astype(np.int64)
-    cost = np.maximum(np.asarray(src_lengths).astype(np.int64), tgt) + 1
-    top_t, top_c = int(tgt.max()), int(cost.max()) + 1
-    classes, counts = np.unique((top_t - tgt) * top_c + cost, return_counts=True)  # longest targets first
-    class_tgt, class_cost = top_t - classes // top_c, classes % top_c
-    best, widest = -1, 0
-    for c in np.unique(cost):
-        k = budget // int(c)
-        if k == 0:
-            continue
-        n, t = counts[class_cost <= c], class_tgt[class_cost <= c]
-        taken = np.clip(k - (np.cumsum(n) - n), 0, n)  # of each class, in order, until k pairs
-        if int((taken * t).sum()) > best:
-            best, widest = int((taken * t).sum()), int(c)
-    order = np.argsort(-tgt, kind="stable")
-    if not widest:  # no pair fits the budget: the longest target alone
-        return order[:1]
-    return order[cost[order] <= widest][:budget // widest]
+    def longest(self, budget: int) -> np.ndarray:
+        """The longest pairs, as many as the budget holds (at least one)."""
+        return self.by_cost[:max(1, budget // int(self.cost[self.by_cost[0]]))]
 
+    def fullest(self, budget: int) -> np.ndarray:
+        """The batch with the most real target tokens. A batch whose widest pair costs c holds
+        budget // c pairs, all costing at most c; the most targets it can hold are the budget // c
+        longest targets among those pairs. So every cost c present is tried, on the (target length,
+        cost) classes of the pairs rather than the pairs, and the best c's batch is returned."""
+        best, widest = -1, 0
+        for c in self.costs:
+            k = budget // int(c)
+            if k == 0:
+                continue
+            inside = self.class_cost <= c
+            n, t = self.counts[inside], self.class_tgt[inside]
+            taken = np.clip(k - (np.cumsum(n) - n), 0, n)  # of each class, in order, until k pairs
+            if int((taken * t).sum()) > best:
+                best, widest = int((taken * t).sum()), int(c)
+        if not widest:  # no pair fits the budget: the longest target alone
+            return self.by_target[:1]
+        return self.by_target[self.cost_by_target <= widest][:budget // widest]
 
-def probe_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, budget: int) -> list[np.ndarray]:
-    """The batches a budget is probed on: the longest pairs, and the fullest targets when they differ."""
-    longest = longest_rows(src_lengths, tgt_lengths, budget)
-    fullest = fullest_target_rows(src_lengths, tgt_lengths, budget)
-    same = len(longest) == len(fullest) and set(longest.tolist()) == set(fullest.tolist())
-    return [longest] if same else [longest, fullest]
+    def __call__(self, budget: int) -> list[np.ndarray]:
+        longest, fullest = self.longest(budget), self.fullest(budget)
+        same = len(longest) == len(fullest) and set(longest.tolist()) == set(fullest.tolist())
+        return [longest] if same else [longest, fullest]
 
 
 def longest_cost(src_lengths: np.ndarray, tgt_lengths: np.ndarray) -> int:

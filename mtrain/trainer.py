@@ -190,8 +190,10 @@ class Trainer:
             objective = Objective(model, t.label_smoothing, t.rdrop_alpha)
             amp_dtype = resolve_amp(t.amp, device)
 
+            batches = probe.ProbeBatches(split.src.lengths, split.tgt.lengths)
+
             def step(budget: int) -> None:
-                for rows in probe.probe_batches(split.src.lengths, split.tgt.lengths, budget):
+                for rows in batches(budget):
                     batch = collate(split, rows, device=device)
                     try:
                         forward_backward(objective, [batch], target_tokens(split.tgt.lengths, [rows]),

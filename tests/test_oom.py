@@ -65,9 +65,9 @@ def test_the_probe_batch_is_the_longest_pairs_the_budget_holds():
     import numpy as np
 
     src, tgt = np.array([3, 9, 4, 20, 7, 19]), np.array([5, 8, 25, 2, 6, 18])
-    rows = probe.longest_rows(src, tgt, 80)  # costs max + 1: 6, 10, 26, 21, 8, 20
+    rows = probe.ProbeBatches(src, tgt).longest(80)  # costs max + 1: 6, 10, 26, 21, 8, 20
     assert rows.tolist() == [2, 3, 5]  # 80 // 26 = 3 rows, the three most costly
-    assert probe.longest_rows(src, tgt, 10).tolist() == [2]  # at least one
+    assert probe.ProbeBatches(src, tgt).longest(10).tolist() == [2]  # at least one
 
 
 def test_the_fullest_target_batch_holds_the_most_target_tokens_the_budget_allows():
@@ -78,12 +78,12 @@ def test_the_fullest_target_batch_holds_the_most_target_tokens_the_budget_allows
     src, tgt = np.array([3, 9, 4, 20, 7, 19]), np.array([5, 8, 25, 2, 6, 18])
     # costs 6, 10, 26, 21, 8, 20. At 40: widest 20 holds 2 pairs, the longest targets costing <= 20
     # are rows 5 and 1 (18 + 8 = 26), more than row 2 alone (25, widest 26) or 1, 4, 0 (19, widest 10).
-    assert probe.fullest_target_rows(src, tgt, 40).tolist() == [5, 1]
-    assert probe.fullest_target_rows(src, tgt, 80).tolist() == [2, 5, 1]  # widest 26: 3 pairs, 51 targets
-    assert probe.fullest_target_rows(src, tgt, 10).tolist() == [1]  # only row 1 (cost 10) fits
-    assert [b.tolist() for b in probe.probe_batches(src, tgt, 40)] == [[2], [5, 1]]
+    assert probe.ProbeBatches(src, tgt).fullest(40).tolist() == [5, 1]
+    assert probe.ProbeBatches(src, tgt).fullest(80).tolist() == [2, 5, 1]  # widest 26: 3 pairs, 51 targets
+    assert probe.ProbeBatches(src, tgt).fullest(10).tolist() == [1]  # only row 1 (cost 10) fits
+    assert [b.tolist() for b in probe.ProbeBatches(src, tgt)(40)] == [[2], [5, 1]]
     same = np.array([4, 4, 4]), np.array([4, 4, 4])  # the longest pairs are the fullest targets: one batch
-    assert [b.tolist() for b in probe.probe_batches(*same, 10)] == [[0, 1]]
+    assert [b.tolist() for b in probe.ProbeBatches(*same)(10)] == [[0, 1]]
     rng = np.random.default_rng(0)  # against every subset that fits, on small random corpora
     for _ in range(200):
         n = int(rng.integers(1, 10))
@@ -91,7 +91,7 @@ def test_the_fullest_target_batch_holds_the_most_target_tokens_the_budget_allows
         cost = np.maximum(src, tgt) + 1
         best = max(int(tgt[list(rows)].sum()) for k in range(1, n + 1) for rows in itertools.combinations(range(n), k)
                    if k * cost[list(rows)].max() <= budget)
-        rows = probe.fullest_target_rows(src, tgt, budget)
+        rows = probe.ProbeBatches(src, tgt).fullest(budget)
         assert int(tgt[rows].sum()) == best and len(rows) * cost[rows].max() <= budget
 
 
@@ -190,9 +190,9 @@ def test_auto_keeps_the_batch_with_the_most_target_tokens_under_the_limit(tokeni
 
     limit = 0.9 * device.total
     assert max(need(rows) for rows in make_batches(src, tgt, chosen, seed=1, epoch=1)) <= limit
-    assert need(probe.fullest_target_rows(src, tgt, chosen * 17 // 16 + 4 * probe.GRAIN)) > limit
-    longest = probe.longest_rows(src, tgt, chosen)
-    assert need(longest) < need(probe.fullest_target_rows(src, tgt, chosen))
+    batches = probe.ProbeBatches(src, tgt)
+    assert need(batches.fullest(chosen * 17 // 16 + 4 * probe.GRAIN)) > limit
+    assert need(batches.longest(chosen)) < need(batches.fullest(chosen))
 
 
 def test_auto_run_starts_as_one_given_its_budget_and_resumes_with_it(tokenized_slice, tmp_path, monkeypatch):
