@@ -29,10 +29,10 @@ from torch import nn
 
 from mtrain import probe
 from mtrain.config import ModelConfig
-from mtrain.errors import is_out_of_memory
+from mtrain.errors import first_line, is_out_of_memory
 from mtrain.hardware import machine_record, resolve_amp
 from train_step import LABEL_SMOOTHING, PAD, SHAPES, Batch, TorchTransformer, bucketed_batches, full_logits_loss, \
-    sample_lengths, to_batch
+    mtrain_optimizer, sample_lengths, to_batch
 
 GiB = 2 ** 30
 QUICK_SHAPE = ModelConfig(d_model=64, d_ff=128, n_heads=2, n_encoder_layers=1, n_decoder_layers=1,
@@ -50,22 +50,18 @@ class Step:
     def __init__(self, name: str, cfg: ModelConfig, device: torch.device, amp: torch.dtype | None) -> None:
         from mtrain.loss import Objective
         from mtrain.model import Transformer
-        from mtrain.trainer import new_optimizer
 
         self.name, self.device, self.amp = name, device, amp
         if name == "mtrain":
             model = Transformer(cfg).to(device).train()
             objective = Objective(model, LABEL_SMOOTHING)  # the projection at real positions only, as in training
             self.loss: Callable[[Batch], torch.Tensor] = lambda b: objective(*b)[0]
-            settings = argparse.Namespace(adam_beta1=0.9, adam_beta2=0.98, adam_eps=1e-9, weight_decay=0.0)
-            self.optimizer = new_optimizer(model, settings, device)
+            self.optimizer = mtrain_optimizer(model, device)
         else:
             model = TorchTransformer(cfg).to(device).train()
             self.loss = lambda b: full_logits_loss(model(b[0], b[1]), b[2])
             self.optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
                                               fused=device.type == "cuda")
-        for group in self.optimizer.param_groups:
-            group["lr"] = 1e-4
         self.model = model
         self.scaler = torch.amp.GradScaler(device.type) if amp == torch.float16 else None
 
@@ -125,7 +121,7 @@ def measure(name: str, cfg: ModelConfig, batches: list[tuple[Batch, int]], devic
     except RuntimeError as err:
         if not is_out_of_memory(err):
             raise
-        return {"tok_s": None, "out_of_memory": str(err).splitlines()[0][:200], **peaks(device)}
+        return {"tok_s": None, "out_of_memory": first_line(err)[:200], **peaks(device)}
     finally:
         del step
         reset_peak(device)

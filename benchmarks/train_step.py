@@ -167,15 +167,15 @@ def mtrain_step_fn(cfg: ModelConfig, compile_: bool) -> tuple[Callable[[Batch], 
     return lambda b: objective(*b)[0], model
 
 
-def mtrain_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    """The Adam `mtrain train` makes (fused on CPU); an mtrain without that choice (an older
+def mtrain_optimizer(model: nn.Module, device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
+    """The Adam `mtrain train` makes on `device` (fused); an mtrain without that choice (an older
     checkout on PYTHONPATH, for before/after runs) made the default one, as the peers do."""
     try:
         from mtrain.trainer import new_optimizer
     except ImportError:
         return torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
     settings = argparse.Namespace(adam_beta1=0.9, adam_beta2=0.98, adam_eps=1e-9, weight_decay=0.0)
-    optimizer = new_optimizer(model, settings, torch.device("cpu"))
+    optimizer = new_optimizer(model, settings, device)
     for group in optimizer.param_groups:
         group["lr"] = 1e-4
     return optimizer

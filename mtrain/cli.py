@@ -16,7 +16,7 @@ from typing import Callable, List, Optional
 
 import typer
 
-from mtrain.errors import MtrainError, is_out_of_memory
+from mtrain.errors import MtrainError, first_line, is_out_of_memory
 
 app = typer.Typer(
     add_completion=False,
@@ -44,9 +44,7 @@ def friendly(fn: Callable) -> Callable:
                 raise
             # A training update's own out-of-memory error is an MtrainError with its step and budget;
             # this is any other (validation, translate, score): one line, the batch setting to lower.
-            text = str(err).strip()
-            first = text.splitlines()[0][:200] if text else type(err).__name__
-            typer.echo(f"error: out of memory ({first}); lower the batch: --max-tokens for translate and score "
+            typer.echo(f"error: out of memory ({first_line(err)[:200]}); lower the batch: --max-tokens for translate and score "
                        "(decode.max_tokens), --set train.max_tokens=N for train, whose run resumes from its last.pt",
                        err=True)
             raise typer.Exit(1) from None

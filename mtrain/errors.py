@@ -9,6 +9,13 @@ class MtrainError(Exception):
     """
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of err's message (PyTorch's run on with notes and C++ frames), or its type's
+    name when it has none: what a one-line error quotes of the exception behind it."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 # Messages of the out-of-memory errors that do not arrive as torch.OutOfMemoryError: a CUDA
 # allocation that fails inside a library (cuBLAS, cuDNN) or as a sticky "CUDA error", and the CPU
 # allocator's failure, which PyTorch raises as a plain RuntimeError.

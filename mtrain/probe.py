@@ -95,8 +95,9 @@ class ProbeBatches:
             inside = self.class_cost <= c
             n, t = self.counts[inside], self.class_tgt[inside]
             taken = np.clip(k - (np.cumsum(n) - n), 0, n)  # of each class, in order, until k pairs
-            if int((taken * t).sum()) > best:
-                best, widest = int((taken * t).sum()), int(c)
+            total = int((taken * t).sum())
+            if total > best:
+                best, widest = total, int(c)
         if not widest:  # no pair fits the budget: the longest target alone
             return self.by_target[:1]
         return self.by_target[self.cost_by_target <= widest][:budget // widest]

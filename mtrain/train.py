@@ -32,7 +32,7 @@ from mtrain import distributed as dist_utils
 from mtrain.atomic import atomic_write
 from mtrain.config import Config, to_dict, to_yaml
 from mtrain.data import target_tokens
-from mtrain.errors import MtrainError, is_lost_peer
+from mtrain.errors import MtrainError, first_line, is_lost_peer
 from mtrain.hardware import amp_note, precision_name, resolve_device
 from mtrain.lock import RunLock
 from mtrain.memory import release_free_memory
@@ -361,8 +361,7 @@ def train(cfg: Config, data_dir: str | Path, run_dir: str | Path | None, device:
 def lost_peer_error(err: RuntimeError, info: dist_utils.DistInfo, run_dir: Path) -> MtrainError:
     """The line a rank prints when another rank of the job stopped (out of memory, killed, a
     failed write) while this one waited for it in a collective: the other rank's own line says why."""
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    cause = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]  # gloo prefixes its source file and line
+    cause = re.sub(r"^\[[^\]]*\]\s*", "", first_line(err)).split(". ")[0]  # gloo prefixes its source file and line
     last = run_dir / "last.pt"
     resume = (f"{last} holds the last save: fix the cause and re-run the same command to resume from it"
               if last.is_file() else "nothing was saved yet: fix the cause and re-run the same command")
