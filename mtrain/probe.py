@@ -44,8 +44,17 @@ class CudaMemory:
         self.device = device
 
     def capacity(self) -> int:
-        free, _total = torch.cuda.mem_get_info(self.device)  # other processes on the GPU count
-        return free + torch.cuda.memory_reserved(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)  # other processes on the GPU count
+        return int(min(free + torch.cuda.memory_reserved(self.device), process_cap(self.device) * total))
+
+
+def process_cap(device: torch.device) -> float:
+    """The share of the GPU this process may allocate. A process sharing its GPU with another job,
+    capped by PYTORCH_CUDA_ALLOC_CONF=per_process_memory_fraction:F or by
+    torch.cuda.set_per_process_memory_fraction, runs out of memory at its cap however much of the
+    GPU is free. torch before 2.6 cannot say: the whole GPU."""
+    query = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    return 1.0 if query is None else float(query(device))
 
     def reset(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -9,9 +9,19 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 CANDIDATES = [ROOT / "data" / "multi30k", ROOT.parent / "shared" / "corpora" / "multi30k"]
+
+
+# Tests of device-dependent code take `device` from DEVICES: the CPU always, a CUDA GPU where one is
+# visible. The CUDA cases carry the `gpu` mark, so on a machine with a GPU `pytest -m gpu` runs just them.
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                reason="needs a CUDA GPU")]),
+]
 
 
 def pytest_configure(config):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import DEVICES
 from mtrain import loss as loss_module
 from mtrain.kernels import Dropout, keep_bits, random_words
 from mtrain.loss import label_smoothed_loss, projected_label_smoothed_loss
@@ -23,7 +24,7 @@ def problem(n: int, d: int, vocab: int, dtype=torch.float64, seed: int = 0):
 
 def both(states, weight, target, eps, fused: bool, autocast: bool = False, scale: float = 0.37):
     h, w = states.clone().requires_grad_(), weight.clone().requires_grad_()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast(states.device.type, dtype=torch.bfloat16, enabled=autocast):
         if fused:
             loss, nll = projected_label_smoothed_loss(h, w, target, eps)
         else:
@@ -127,9 +128,24 @@ def test_fused_gradient_matches_finite_differences(monkeypatch):
         torch.testing.assert_close(grad, numeric, rtol=1e-6, atol=1e-8)
 
 
-def test_fused_under_bf16_autocast_matches_the_plain_autocast_path():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_loss_on_each_device_is_the_plain_loss(device, dtype):
+    """Each device's own path (on a CPU sums without row maxima in cache-sized chunks, on a GPU
+    maxima first in a few large chunks; 1500 rows are three CPU chunks): the plain loss's values
+    and gradients."""
+    states, weight, target = (t.to(device) for t in problem(n=1500, d=16, vocab=700, dtype=dtype))
+    fused, plain = both(states, weight, target, 0.1, True), both(states, weight, target, 0.1, False)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    for a, b in zip(fused, plain):
+        assert a.device == b.device == states.device
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.abs().max().item())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_under_bf16_autocast_matches_the_plain_autocast_path(device):
     """Both run the projection in bf16; the loss agrees to float32 rounding, the gradients to bf16's."""
-    states, weight, target = problem(n=300, d=32, vocab=500, dtype=torch.float32)
+    states, weight, target = (t.to(device) for t in problem(n=300, d=32, vocab=500, dtype=torch.float32))
     fused = both(states, weight, target, 0.1, True, autocast=True)
     plain = both(states, weight, target, 0.1, False, autocast=True)
     torch.testing.assert_close(fused[0], plain[0], rtol=1e-5, atol=0)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import DEVICES
 from mtrain.config import ModelConfig, load_config
 from mtrain.errors import MtrainError
 from mtrain.kernels import Dropout
@@ -122,9 +123,10 @@ def test_whole_model_matches_torch_stacks_without_final_norm():
 # Masks
 
 
-def test_causality_future_targets_do_not_change_earlier_logits():
-    model = tiny()
-    src, tgt = ids(2, 6), ids(2, 8, seed=3)
+@pytest.mark.parametrize("device", DEVICES)
+def test_causality_future_targets_do_not_change_earlier_logits(device):
+    model = tiny().to(device)
+    src, tgt = ids(2, 6).to(device), ids(2, 8, seed=3).to(device)
     changed = tgt.clone()
     changed[:, 5:] = ids(2, 3, seed=4)
     with torch.no_grad():
@@ -133,13 +135,14 @@ def test_causality_future_targets_do_not_change_earlier_logits():
     assert not torch.allclose(a[:, 5:], b[:, 5:])
 
 
-def test_padding_invariance_src_and_tgt():
+@pytest.mark.parametrize("device", DEVICES)
+def test_padding_invariance_src_and_tgt(device):
     """Appending pad columns to both sides leaves every real position's logits unchanged, and a
     sentence batched with a longer one gives the same logits as alone."""
-    model = tiny()
-    src, tgt = padded([6, 4, 2], 6), padded([5, 3, 5], 5, seed=5)
-    wide_src = torch.cat([src, torch.full((3, 4), PAD)], dim=1)
-    wide_tgt = torch.cat([tgt, torch.full((3, 3), PAD)], dim=1)
+    model = tiny().to(device)
+    src, tgt = padded([6, 4, 2], 6).to(device), padded([5, 3, 5], 5, seed=5).to(device)
+    wide_src = torch.cat([src, torch.full((3, 4), PAD, device=device)], dim=1)
+    wide_tgt = torch.cat([tgt, torch.full((3, 3), PAD, device=device)], dim=1)
     with torch.no_grad():
         base = model(src, tgt)
         wide = model(wide_src, wide_tgt)
@@ -149,9 +152,10 @@ def test_padding_invariance_src_and_tgt():
     torch.testing.assert_close(base[1:2, :3], alone, atol=1e-5, rtol=0)
 
 
-def test_fully_padded_source_row_gives_no_nan_anywhere():
-    model = tiny().train()  # dropout 0 in TINY: deterministic, but gradients on
-    src, tgt = padded([5, 0, 3], 5), padded([4, 4, 2], 4, seed=6)
+@pytest.mark.parametrize("device", DEVICES)
+def test_fully_padded_source_row_gives_no_nan_anywhere(device):
+    model = tiny().to(device).train()  # dropout 0 in TINY: deterministic, but gradients on
+    src, tgt = padded([5, 0, 3], 5).to(device), padded([4, 4, 2], 4, seed=6).to(device)
     logits = model(src, tgt)
     assert torch.isfinite(logits).all()
     logits[tgt != PAD].logsumexp(-1).sum().backward()
@@ -171,9 +175,10 @@ def test_key_mask_masks_pad_keys_only():
 # Incremental decoding
 
 
-def test_cached_decoding_equals_full_forward_including_reorder_and_multi_token_steps():
-    model = tiny()
-    src, tgt = padded([6, 3, 5], 6), ids(3, 7, seed=7)
+@pytest.mark.parametrize("device", DEVICES)
+def test_cached_decoding_equals_full_forward_including_reorder_and_multi_token_steps(device):
+    model = tiny().to(device)
+    src, tgt = padded([6, 3, 5], 6).to(device), ids(3, 7, seed=7).to(device)
     with torch.no_grad():
         memory = model.encode(src)
         cache = model.new_cache()
@@ -182,7 +187,7 @@ def test_cached_decoding_equals_full_forward_including_reorder_and_multi_token_s
         assert cache.length == 5
         torch.testing.assert_close(torch.cat(steps, 1), model(src, tgt[:, :5]), atol=1e-5, rtol=0)
 
-        order = torch.tensor([2, 0, 0])  # beam search: keep, duplicate, drop rows
+        order = torch.tensor([2, 0, 0], device=device)  # beam search: keep, duplicate, drop rows
         cache.reorder(order)
         src, tgt, memory = src[order], tgt[order], memory[order]
         tgt[1, 5:] = ids(1, 2, seed=8)  # the duplicated row continues differently
@@ -191,18 +196,19 @@ def test_cached_decoding_equals_full_forward_including_reorder_and_multi_token_s
         torch.testing.assert_close(torch.cat(steps[-2:], 1), model(src, tgt)[:, 5:], atol=1e-5, rtol=0)
 
 
-def test_beam_cache_equals_full_forward_through_beam_moves_and_dropped_sources():
+@pytest.mark.parametrize("device", DEVICES)
+def test_beam_cache_equals_full_forward_through_beam_moves_and_dropped_sources(device):
     """group=2: two target rows per source; K/V stay in place and an ancestry mask picks each
     row's prefix, so after moving beams and dropping a source every row must still see exactly
     its own prefix (the full forward of that prefix is the reference)."""
-    model = tiny()
-    src, G = padded([6, 3, 5], 6), 2
-    tgt = ids(6, 6, seed=11)  # row r's tokens; rows 2b, 2b+1 belong to source b
+    model = tiny().to(device)
+    src, G = padded([6, 3, 5], 6).to(device), 2
+    tgt = ids(6, 6, seed=11).to(device)  # row r's tokens; rows 2b, 2b+1 belong to source b
     with torch.no_grad():
         memory, cache = model.encode(src), model.new_cache(group=G)
         prefix = tgt[:, :0]
-        moves = {2: (torch.tensor([1, 1, 2, 2, 5, 4]), False),  # duplicate / swap within sources
-                 4: (torch.tensor([4, 5, 0, 1]), True)}  # drop source 1, swap the other two
+        moves = {2: (torch.tensor([1, 1, 2, 2, 5, 4], device=device), False),  # duplicate / swap within sources
+                 4: (torch.tensor([4, 5, 0, 1], device=device), True)}  # drop source 1, swap the other two
         for step in range(6):
             if step in moves:
                 index, cross = moves[step]

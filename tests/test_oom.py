@@ -16,6 +16,7 @@ from mtrain.cli import app
 from mtrain.errors import MtrainError
 
 MiB = 2 ** 20
+GiB = 2 ** 30
 
 
 # ---------------------------------------------------------------- the search, on a memory model
@@ -93,6 +94,20 @@ def test_the_fullest_target_batch_holds_the_most_target_tokens_the_budget_allows
                    if k * cost[list(rows)].max() <= budget)
         rows = probe.ProbeBatches(src, tgt).fullest(budget)
         assert int(tgt[rows].sum()) == best and len(rows) * cost[rows].max() <= budget
+
+
+@pytest.mark.parametrize("free,reserved,fraction,expected", [(30, 2, 1.0, 32), (30, 2, 0.25, 20), (5, 0, 0.5, 5)],
+                         ids=["uncapped", "capped", "cap-above-free"])
+def test_cuda_capacity_is_free_plus_reserved_up_to_the_process_cap(monkeypatch, free, reserved, fraction, expected):
+    """What the probe may fill on an 80 GiB GPU: the free memory plus what torch already holds,
+    but no more than the cap set by torch.cuda.set_per_process_memory_fraction."""
+    device = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free * GiB, 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: reserved * GiB)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d: fraction)
+    assert probe.CudaMemory(device).capacity() == expected * GiB
+    monkeypatch.delattr(torch.cuda, "get_per_process_memory_fraction")  # torch before 2.6: no cap to read
+    assert probe.CudaMemory(device).capacity() == (free + reserved) * GiB
 
 
 # ---------------------------------------------------------------- the probe in a run, on a fake device

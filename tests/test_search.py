@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from conftest import DEVICES
 from mtrain import search
 from mtrain.cache import KVCache
 from mtrain.config import ModelConfig
@@ -234,6 +235,13 @@ def model() -> Transformer:
     return random_model(1)
 
 
+@pytest.fixture(scope="module", params=DEVICES)
+def on_device(request, model) -> tuple[Transformer, torch.device]:
+    """The random model on each device of DEVICES, and that device."""
+    device = torch.device(request.param)
+    return copy.deepcopy(model).to(device), device
+
+
 def random_batch(seed: int, n: int = 6, vocab: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
     """Padded sources ending in EOS, of different lengths; max_len varies too."""
     g = torch.Generator().manual_seed(seed)
@@ -252,7 +260,7 @@ def greedy_uncached(model, src, max_len) -> list[list[int]]:
         row = src[i : i + 1, : int((src[i] != PAD_ID).sum())]
         memory, prefix = model.encode(row), [BOS_ID]
         while True:
-            logits = model.decode(torch.tensor([prefix]), memory, row)[0, -1].float()
+            logits = model.decode(torch.tensor([prefix], device=row.device), memory, row)[0, -1].float()
             logits[[PAD_ID, BOS_ID]] = float("-inf")
             token = EOS_ID if len(prefix) - 1 >= max_len[i] else int(logits.argmax())
             if token == EOS_ID:
@@ -263,17 +271,21 @@ def greedy_uncached(model, src, max_len) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def test_cached_greedy_equals_uncached(model):
+def test_cached_greedy_equals_uncached(on_device):
+    model, device = on_device
     for seed in range(3):
         src, max_len = random_batch(seed)
+        src = src.to(device)
         assert greedy_search(model, src, max_len) == greedy_uncached(model, src, max_len)
 
 
-def test_beam_one_equals_greedy(model):
+def test_beam_one_equals_greedy(on_device):
     # With alpha = 0 a beam of one can never prefer anything but the argmax path. (With alpha > 0
     # it may legitimately keep searching for a longer hypothesis whose normalised score wins.)
+    model, device = on_device
     for seed in range(3):
         src, max_len = random_batch(seed)
+        src = src.to(device)
         beams = beam_search(model, src, beam=1, lenpen=0.0, max_len=max_len)
         assert [hyps[0][0] for hyps in beams] == greedy_search(model, src, max_len)
 
@@ -288,8 +300,10 @@ def test_random_model_outputs_are_well_formed(model):
 
 
 @pytest.mark.parametrize("beam", [1, 3])
-def test_batch_equals_each_sentence_alone(model, beam):
+def test_batch_equals_each_sentence_alone(on_device, beam):
+    model, device = on_device
     src, max_len = random_batch(11)
+    src = src.to(device)
     together = beam_search(model, src, beam=beam, lenpen=0.6, max_len=max_len, nbest=beam)
     greedy = greedy_search(model, src, max_len)
     for i in range(src.size(0)):
@@ -402,7 +416,7 @@ def beam_reference(model, src, beam: int, alpha: float, max_len: int) -> list[tu
     for t in range(max_len + 1):
         candidates = []
         for prefix, score in alive:
-            logits = model.decode(torch.tensor([[BOS_ID, *prefix]]), memory, src)[0, -1].double()
+            logits = model.decode(torch.tensor([[BOS_ID, *prefix]], device=src.device), memory, src)[0, -1].double()
             logp = torch.log_softmax(logits, dim=-1).tolist()
             for token, lp_token in enumerate(logp):
                 if token not in (PAD_ID, BOS_ID) and (t < max_len or token == EOS_ID):
@@ -415,11 +429,13 @@ def beam_reference(model, src, beam: int, alpha: float, max_len: int) -> list[tu
 
 
 @pytest.mark.parametrize("beam", [1, 3, 5])
-def test_beam_search_equals_textbook_reference(model, beam):
+def test_beam_search_equals_textbook_reference(on_device, beam):
     # Per-beam top-(beam+1) candidates, the one-row first step, the grouped in-place cache and the
     # early stop together must give exactly what scoring every (beam, token) pair gives.
+    model, device = on_device
     with torch.inference_mode():
         src, max_len = random_batch(21)
+        src = src.to(device)
         out = beam_search(model, src, beam=beam, lenpen=0.6, max_len=max_len, nbest=beam)
         for i in range(src.size(0)):
             row = src[i : i + 1, : int((src[i] != PAD_ID).sum())]

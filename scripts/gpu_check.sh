@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# What only a CUDA GPU can check, in one command on a machine that has one:
+#   scripts/gpu_check.sh [OUT]          (default OUT: gpu-check/, git-ignored)
+# writes
+#   OUT/gpu.txt         the GPU torch sees (name, memory, compute capability), and nvidia-smi
+#   OUT/pytest-gpu.txt  the gpu-marked tests: tests/test_gpu.py (the precision train.amp=auto picks,
+#                       batches from pinned memory, stop and resume, a real out-of-memory error mid-run,
+#                       train.max_tokens=auto under a memory cap) and the cuda cases of the property
+#                       tests (causality, padding, cached == uncached decoding, beam 1 == greedy, the
+#                       fused loss against the plain one)
+#   OUT/gpu_step.json   benchmarks/gpu_step.py at the paper's base shape: target tokens/s and peak
+#                       memory by token budget, mtrain against torch.nn.Transformer in the same
+#                       precision, and the budget train.max_tokens=auto picks on this GPU
+# It runs the python on PATH as it is (its torch must be a CUDA build, with mtrain's dependencies; a
+# checkout that is not installed is imported from here). The tests that train read Multi30k from
+# data/multi30k (scripts/multi30k_data.sh fills it) and skip without it. Exit status 1 if a step failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-gpu-check}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+python - > "$OUT/gpu.txt" <<'PY' || { cat "$OUT/gpu.txt"; exit 1; }
+import sys
+import torch
+if not torch.cuda.is_available():
+    sys.exit(f"no CUDA GPU visible to torch {torch.__version__}: run this where one is")
+p = torch.cuda.get_device_properties(0)
+print(f"{p.name}, {p.total_memory / 2**30:.1f} GiB, compute capability {p.major}.{p.minor}, "
+      f"torch {torch.__version__}, CUDA {torch.version.cuda}")
+PY
+nvidia-smi >> "$OUT/gpu.txt" 2>&1 || true
+head -n 1 "$OUT/gpu.txt"
+rc=0
+python -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.txt" || rc=1
+python benchmarks/gpu_step.py --json > "$OUT/gpu_step.json" || rc=1
+echo "results in $OUT/" >&2
+exit $rc
