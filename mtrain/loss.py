@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from mtrain.kernels import logsumexp_
+
 
 def _float32_or_wider(logits: Tensor) -> Tensor:
     """float32 even under autocast (bf16/fp16 logits lose too much in exp and sums over V);
@@ -180,8 +182,7 @@ def _shifted_where_out_of_range(lse: Tensor, logits: Tensor) -> None:
     for start in range(0, redo.numel(), step):
         rows = redo[start : start + step]
         x = logits[rows].to(lse.dtype)
-        peak = x.amax(1, keepdim=True)
-        lse[rows] = x.sub_(peak).exp_().sum(1).log_().add_(peak.squeeze(1))
+        lse[rows] = logsumexp_(x, x.amax(1, keepdim=True)).squeeze(1)  # a non-finite row stays non-finite
 
 
 class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
