@@ -47,15 +47,6 @@ class CudaMemory:
         free, total = torch.cuda.mem_get_info(self.device)  # other processes on the GPU count
         return int(min(free + torch.cuda.memory_reserved(self.device), process_cap(self.device) * total))
 
-
-def process_cap(device: torch.device) -> float:
-    """The share of the GPU this process may allocate. A process sharing its GPU with another job,
-    capped by PYTORCH_CUDA_ALLOC_CONF=per_process_memory_fraction:F or by
-    torch.cuda.set_per_process_memory_fraction, runs out of memory at its cap however much of the
-    GPU is free. torch before 2.6 cannot say: the whole GPU."""
-    query = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    return 1.0 if query is None else float(query(device))
-
     def reset(self) -> None:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
@@ -64,6 +55,15 @@ def process_cap(device: torch.device) -> float:
     def peak(self) -> int:
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_reserved(self.device)
+
+
+def process_cap(device: torch.device) -> float:
+    """The share of the GPU this process may allocate. A process sharing its GPU with another job,
+    capped by PYTORCH_CUDA_ALLOC_CONF=per_process_memory_fraction:F or by
+    torch.cuda.set_per_process_memory_fraction, runs out of memory at its cap however much of the
+    GPU is free. A torch too old to report the cap gets the whole GPU."""
+    query = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    return 1.0 if query is None else float(query(device))
 
 
 def memory_gauge(device: torch.device) -> MemoryGauge | None:

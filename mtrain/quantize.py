@@ -34,8 +34,8 @@ def check_quantize(quantize: str, amp: str, device: torch.device) -> None:
     if quantize == "off":
         return
     if device.type != "cpu":
-        raise MtrainError(f"decode.quantize=int8 runs on a CPU only; on {device.type} use --set decode.amp=bf16 "
-                          "(or --device cpu)")
+        raise MtrainError(f"decode.quantize=int8 runs on a CPU only; on {device.type} set decode.quantize=off "
+                          "(decode.amp=bf16 decodes in bfloat16 there), or use --device cpu")
     if amp != "off":
         raise MtrainError(f"decode.quantize=int8 decodes in float32 around its int8 layers; drop decode.amp={amp} "
                           "(or decode.quantize)")

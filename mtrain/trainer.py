@@ -33,6 +33,7 @@ from mtrain.hardware import resolve_amp
 from mtrain.loss import Objective, forward_backward
 from mtrain.model import Transformer
 from mtrain.prefetch import Prefetcher, pin, to_device
+from mtrain.quantize import check_quantize
 from mtrain.resume import TrainState, rng_state, set_rng_state
 from mtrain.schedule import lr_at
 from mtrain.tokenizer import PAD_ID, Tokenizer
@@ -113,6 +114,7 @@ class Trainer:
     def __init__(self, cfg: Config, data_dir: Path, run_dir: Path, device: torch.device,
                  dist: dist_utils.DistInfo) -> None:
         self.data_dir, self.run_dir, self.device, self.dist = Path(data_dir), Path(run_dir), device, dist
+        check_quantize(cfg.decode.quantize, cfg.decode.amp, device)  # validation decodes with cfg.decode
         data = TokenizedData(data_dir)
         check_direction(cfg, data.meta, self.data_dir)
         self.tokenizer = data.tokenizer

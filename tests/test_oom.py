@@ -106,8 +106,24 @@ def test_cuda_capacity_is_free_plus_reserved_up_to_the_process_cap(monkeypatch, 
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: reserved * GiB)
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d: fraction)
     assert probe.CudaMemory(device).capacity() == expected * GiB
-    monkeypatch.delattr(torch.cuda, "get_per_process_memory_fraction")  # torch before 2.6: no cap to read
+    monkeypatch.delattr(torch.cuda, "get_per_process_memory_fraction")  # an older torch: no cap to read
     assert probe.CudaMemory(device).capacity() == (free + reserved) * GiB
+
+
+def test_the_cuda_gauge_measures_a_probe_step_by_the_allocators_reserved_peak(monkeypatch):
+    """The probe drives the real gauge on a GPU: reset (synchronise, free the cache, zero the
+    peak), the step, then the peak of reserved memory after synchronising. torch.cuda's calls are
+    recorded here in place of a GPU."""
+    device, calls = torch.device("cuda", 0), []
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, name=name: calls.append(name))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: calls.append("max_memory_reserved") or 3 * GiB)
+    gauge = probe.memory_gauge(device)
+    assert isinstance(gauge, probe.CudaMemory) and probe.memory_gauge(torch.device("cpu")) is None
+    measure = probe.Probe(lambda budget: calls.append(f"step {budget}"), gauge, lambda line: calls.append(line))
+    assert measure(2048) == 3 * GiB
+    assert calls == ["synchronize", "empty_cache", "reset_peak_memory_stats", "step 2048", "synchronize",
+                     "max_memory_reserved", "max_tokens probe: 2048 tokens: peak 3.00 GiB"]
 
 
 # ---------------------------------------------------------------- the probe in a run, on a fake device

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from mtrain import quantize
-from mtrain.config import DecodeConfig, ModelConfig
+from mtrain.config import DecodeConfig, ModelConfig, load_config
 from mtrain.ensemble import Ensemble
 from mtrain.errors import MtrainError
 from mtrain.model import Transformer
@@ -71,6 +71,18 @@ def test_settings_that_cannot_work_fail_in_one_line(quantize_mode, amp, device, 
     with pytest.raises(MtrainError, match=words) as caught:
         check_quantize(quantize_mode, amp, torch.device(device))
     assert "\n" not in str(caught.value)
+
+
+def test_training_on_a_gpu_with_int8_validation_fails_before_any_work(tmp_path):
+    """Validation decodes with the run's decode settings, and int8 has no GPU kernels: the run
+    stops at once in one line, not with a traceback at its first validation."""
+    from mtrain.distributed import DistInfo
+    from mtrain.trainer import Trainer
+
+    cfg = load_config(None, ["decode.quantize=int8"])
+    with pytest.raises(MtrainError, match="decode.quantize=int8 runs on a CPU only; on cuda set decode.quantize=off"):
+        Trainer(cfg, tmp_path / "no-data-needed", tmp_path / "run", torch.device("cuda"), DistInfo())
+    assert not (tmp_path / "run").exists()
 
 
 def test_off_is_always_allowed():
