@@ -505,13 +505,15 @@ def test_projecting_in_blocks_of_rows_changes_no_result(model, monkeypatch, rows
         assert [s for hyps in got for _, s in hyps] == pytest.approx([s for hyps in want for _, s in hyps], abs=1e-5)
 
 
-def test_bfloat16_beam_one_equals_greedy():
+@pytest.mark.parametrize("device", DEVICES)
+def test_bfloat16_beam_one_equals_greedy(device):
     """A bfloat16 decoding copy (decode.amp=bf16) searches the same way: beam 1 is greedy."""
     from mtrain.quantize import bfloat16_weights
 
-    bf16 = bfloat16_weights(random_model(1))
+    bf16 = bfloat16_weights(random_model(1).to(device))
     for seed in range(3):
         src, max_len = random_batch(seed)
+        src = src.to(device)
         beams = beam_search(bf16, src, beam=1, lenpen=0.0, max_len=max_len)
         assert [hyps[0][0] for hyps in beams] == greedy_search(bf16, src, max_len)
 
