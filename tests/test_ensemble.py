@@ -54,8 +54,8 @@ def test_cached_decoding_equals_uncached(pair):
     (search_tests.test_beam_search_equals_textbook_reference, (4,)),
 ], ids=["cached-greedy=uncached", "beam1=greedy", "batch=alone", "beam2=textbook", "beam4=textbook"])
 def test_search_properties_hold_for_an_ensemble(pair, check, args):
-    """test_search's properties, run on the ensemble instead of one model."""
-    check(pair, *args)
+    """test_search's properties, run on the ensemble instead of one model (on the CPU)."""
+    check((pair, torch.device("cpu")), *args)
 
 
 def test_members_disagree_so_the_ensemble_is_not_one_of_them(pair):
