@@ -31,7 +31,7 @@ PY
 nvidia-smi >> "$OUT/gpu.txt" 2>&1 || true
 head -n 1 "$OUT/gpu.txt"
 rc=0
-python -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.txt" || rc=1
+python -m pytest -q -m gpu 2>&1 | tee "$OUT/pytest-gpu.txt" || rc=1
 python benchmarks/gpu_step.py --json > "$OUT/gpu_step.json" || rc=1
 echo "results in $OUT/" >&2
 exit $rc
