@@ -515,7 +515,25 @@ def test_bfloat16_beam_one_equals_greedy(device):
         src, max_len = random_batch(seed)
         src = src.to(device)
         beams = beam_search(bf16, src, beam=1, lenpen=0.0, max_len=max_len)
-        assert [hyps[0][0] for hyps in beams] == greedy_search(bf16, src, max_len)
+        greedy = greedy_search(bf16, src, max_len)
+        for row, (hyps, ids) in enumerate(zip(beams, greedy)):
+            assert_same_up_to_a_near_tie(bf16, src[row : row + 1], hyps[0][0], ids)
+
+
+def assert_same_up_to_a_near_tie(model, src, got: list[int], want: list[int], rel: float = 2 ** -5) -> None:
+    """got == want, or they part where the two tokens' logits lie within bfloat16 rounding of each
+    other. Beam 1 and greedy run different kernels (a masked attention, other row counts), and on a
+    GPU bfloat16 attention rounds its output, so a near-tie may fall either way there; on a CPU the
+    paths agree to float32 rounding. A search bug parts them where one token clearly wins."""
+    if got == want:
+        return
+    t = next(i for i, (a, b) in enumerate(zip(got + [EOS_ID], want + [EOS_ID])) if a != b)
+    a, b = (got + [EOS_ID])[t], (want + [EOS_ID])[t]
+    with torch.inference_mode():
+        prefix = torch.tensor([[BOS_ID] + want[:t]], device=src.device)
+        logits = model.decode(prefix, model.encode(src), src)[0, -1].float()
+    gap, scale = abs(float(logits[a] - logits[b])), float(logits.abs().max())
+    assert gap <= rel * scale, f"step {t}: {a} against {b}, logits {gap:.4f} apart (scale {scale:.2f}): {got} != {want}"
 
 
 @pytest.mark.parametrize("rows", [1, 4])
