@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 from mtrain.config import ModelConfig, TokenizerConfig  # noqa: E402
 from mtrain.ensemble import Ensemble  # noqa: E402
 from mtrain.export.runtime import pieces  # noqa: E402
-from mtrain.hardware import cpu_has_native_bf16  # noqa: E402
+from mtrain.hardware import cpu_has_native_bf16, machine_record  # noqa: E402
 from mtrain.model import Transformer  # noqa: E402
 from mtrain.quantize import bfloat16_weights, quantize_int8  # noqa: E402
 from mtrain.search import beam_search, greedy_search  # noqa: E402
@@ -302,7 +302,8 @@ def real_model(checkpoint: Path, n: int, threads: int, emit) -> dict:
         same = sum(a == b for a, b in zip(outputs[name], outputs["mtrain_beam5"])) / len(sources)
         results[f"{name}_same_lines"] = round(same, 4)  # share of lines identical to mtrain float32's
         emit(f"{name}: {same:.1%} of lines identical to mtrain_beam5's")
-    results.update(checkpoint=str(checkpoint), sentences=len(sources), threads=threads, torch=torch.__version__)
+    results.update(checkpoint=str(checkpoint), sentences=len(sources), threads=threads, torch=torch.__version__,
+                   hardware=machine_record())
     return results
 
 
@@ -385,7 +386,7 @@ def main() -> None:
     results["mtrain_ensemble2_vs_single_beam5"] = round(ratio, 3)
     emit(f"mtrain beam 5, ensemble of 2 / one model: {ratio:.2f}x (2 models: 0.5x would be the compute ratio)")
     results.update(sentences=n, threads=threads, torch=torch.__version__, machine=platform.machine(),
-                   shape="d256 3+3 ff1024 h4 v8000", max_tokens=MAX_TOKENS)
+                   hardware=machine_record(), shape="d256 3+3 ff1024 h4 v8000", max_tokens=MAX_TOKENS)
     if args.json:
         print(json.dumps(results))
 

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from mtrain.config import ModelConfig
 from mtrain.data import make_batches
-from mtrain.hardware import cpu_has_native_bf16
+from mtrain.hardware import cpu_has_native_bf16, machine_record
 from mtrain.loss import Objective
 from mtrain.memory import reuse_freed_memory
 from mtrain.model import Transformer, sinusoids
@@ -475,6 +475,7 @@ def main(argv: list[str] | None = None) -> dict:
         "bf16_native": bf16_native,
         "batches": args.batches, "rounds": args.rounds, "compile": args.compile, "lengths": source,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+        "hardware": machine_record(),  # the CPU by name and signature: results are compared within one host only
         "shape": {"name": args.shape, "d_model": cfg.d_model, "d_ff": cfg.d_ff, "n_heads": cfg.n_heads,
                   "layers": f"{cfg.n_encoder_layers}+{cfg.n_decoder_layers}",
                   "vocab_size": cfg.vocab_size, "max_tokens": args.max_tokens},

@@ -46,10 +46,29 @@ def cpu_model() -> str | None:
     return platform.processor() or None
 
 
+def cpu_signature(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """"family F model M stepping S" from /proc/cpuinfo (Linux x86), else None. Under a hypervisor
+    the marketing name is often generic ("Intel(R) Xeon(R) Processor"); the signature still tells
+    two CPU generations apart, so results taken on them are not compared as one host's."""
+    fields: dict[str, str] = {}
+    try:
+        with open(cpuinfo, encoding="utf-8") as handle:
+            for line in handle:
+                if not line.strip():
+                    break  # the first processor's block is enough
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        return None
+    if not all(key in fields for key in ("cpu family", "model", "stepping")):
+        return None
+    return f"family {fields['cpu family']} model {fields['model']} stepping {fields['stepping']}"
+
+
 def cpu_summary() -> dict[str, object]:
     """The CPU facts that change speed: model, the vector ISA torch dispatches to, native bf16."""
-    return {"cpu_model": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "native_bf16": cpu_has_native_bf16()}
+    return {"cpu_model": cpu_model(), "cpu_signature": cpu_signature(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": cpu_has_native_bf16()}
 
 
 def machine_record() -> dict[str, object]:

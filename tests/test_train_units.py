@@ -156,6 +156,19 @@ def test_native_bf16_means_amx_or_avx512_bf16_on_x86(monkeypatch, amx, avx512_bf
     assert cpu_summary()["native_bf16"] is native
 
 
+
+def test_cpu_signature_is_the_first_processors_family_model_and_stepping(tmp_path):
+    from mtrain.hardware import cpu_signature
+
+    block = "processor\t: {n}\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: {model}\n" \
+            "model name\t: Intel(R) Xeon(R) Processor\nstepping\t: 2\n\n"
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(block.format(n=0, model=207) + block.format(n=1, model=143), encoding="utf-8")
+    assert cpu_signature(str(cpuinfo)) == "family 6 model 207 stepping 2"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: some ARM core\n\n", encoding="utf-8")
+    assert cpu_signature(str(cpuinfo)) is None  # no x86 signature fields
+    assert cpu_signature(str(tmp_path / "missing")) is None
+
 # ---------------------------------------------------------------- R-Drop
 
 def test_symmetric_kl_hand_computed():
