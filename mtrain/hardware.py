@@ -47,7 +47,7 @@ def cpu_model() -> str | None:
 
 
 def cpu_signature(cpuinfo: str = "/proc/cpuinfo") -> str | None:
-    """"family F model M stepping S" from /proc/cpuinfo (Linux x86), else None. Under a hypervisor
+    """The CPU's "family F model M stepping S" from /proc/cpuinfo (Linux x86), else None. Under a hypervisor
     the marketing name is often generic ("Intel(R) Xeon(R) Processor"); the signature still tells
     two CPU generations apart, so results taken on them are not compared as one host's."""
     fields: dict[str, str] = {}
