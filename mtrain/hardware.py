@@ -34,32 +34,34 @@ def cpu_has_native_bf16() -> bool:
     return cpu_bf16_isa() is not None
 
 
-def cpu_model() -> str | None:
-    """The CPU's marketing name from /proc/cpuinfo (Linux), else platform.processor()."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
-
-
-def cpu_signature(cpuinfo: str = "/proc/cpuinfo") -> str | None:
-    """The CPU's "family F model M stepping S" from /proc/cpuinfo (Linux x86), else None. Under a hypervisor
-    the marketing name is often generic ("Intel(R) Xeon(R) Processor"); the signature still tells
-    two CPU generations apart, so results taken on them are not compared as one host's."""
+def cpuinfo_fields(path: str = "/proc/cpuinfo") -> dict[str, str]:
+    """Each key of /proc/cpuinfo with its first value (the first processor's); empty where the
+    file is missing (not Linux)."""
     fields: dict[str, str] = {}
     try:
-        with open(cpuinfo, encoding="utf-8") as handle:
+        with open(path, encoding="utf-8") as handle:
             for line in handle:
-                if not line.strip():
-                    break  # the first processor's block is enough
-                key, _, value = line.partition(":")
-                fields[key.strip()] = value.strip()
+                key, colon, value = line.partition(":")
+                if colon:
+                    fields.setdefault(key.strip(), value.strip())
     except OSError:
-        return None
+        pass
+    return fields
+
+
+def cpu_model(fields: dict[str, str] | None = None) -> str | None:
+    """The CPU's marketing name from /proc/cpuinfo (Linux; or `fields` read from it), else
+    platform.processor()."""
+    name = (cpuinfo_fields() if fields is None else fields).get("model name")
+    return name if name is not None else platform.processor() or None
+
+
+def cpu_signature(fields: dict[str, str] | None = None) -> str | None:
+    """The CPU's "family F model M stepping S" from /proc/cpuinfo (Linux x86; or `fields` read from
+    it), else None. Under a hypervisor the marketing name is often generic ("Intel(R) Xeon(R)
+    Processor"); the signature still tells two CPU generations apart, so results taken on them are
+    not compared as one host's."""
+    fields = cpuinfo_fields() if fields is None else fields
     if not all(key in fields for key in ("cpu family", "model", "stepping")):
         return None
     return f"family {fields['cpu family']} model {fields['model']} stepping {fields['stepping']}"
@@ -67,7 +69,8 @@ def cpu_signature(cpuinfo: str = "/proc/cpuinfo") -> str | None:
 
 def cpu_summary() -> dict[str, object]:
     """The CPU facts that change speed: model, the vector ISA torch dispatches to, native bf16."""
-    return {"cpu_model": cpu_model(), "cpu_signature": cpu_signature(),
+    fields = cpuinfo_fields()
+    return {"cpu_model": cpu_model(fields), "cpu_signature": cpu_signature(fields),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": cpu_has_native_bf16()}
 
 
