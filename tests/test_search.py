@@ -527,8 +527,9 @@ def assert_same_up_to_a_near_tie(model, src, got: list[int], want: list[int], re
     paths agree to float32 rounding. A search bug parts them where one token clearly wins."""
     if got == want:
         return
-    t = next(i for i, (a, b) in enumerate(zip(got + [EOS_ID], want + [EOS_ID])) if a != b)
-    a, b = (got + [EOS_ID])[t], (want + [EOS_ID])[t]
+    ended_got, ended_want = got + [EOS_ID], want + [EOS_ID]  # a shorter output parts at its EOS
+    t = next(i for i, (a, b) in enumerate(zip(ended_got, ended_want)) if a != b)
+    a, b = ended_got[t], ended_want[t]
     with torch.inference_mode():
         prefix = torch.tensor([[BOS_ID] + want[:t]], device=src.device)
         logits = model.decode(prefix, model.encode(src), src)[0, -1].float()
