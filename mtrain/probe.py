@@ -41,7 +41,10 @@ class CudaMemory:
     run out of."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
+        # One process on one GPU has device "cuda" with no index, which some torch.cuda queries
+        # (get_per_process_memory_fraction) refuse: name the GPU that "cuda" means.
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", index)
 
     def capacity(self) -> int:
         free, total = torch.cuda.mem_get_info(self.device)  # other processes on the GPU count

@@ -98,13 +98,22 @@ def test_the_fullest_target_batch_holds_the_most_target_tokens_the_budget_allows
 
 @pytest.mark.parametrize("free,reserved,fraction,expected", [(30, 2, 1.0, 32), (30, 2, 0.25, 20), (5, 0, 0.5, 5)],
                          ids=["uncapped", "capped", "cap-above-free"])
-def test_cuda_capacity_is_free_plus_reserved_up_to_the_process_cap(monkeypatch, free, reserved, fraction, expected):
+@pytest.mark.parametrize("device", [torch.device("cuda", 0), torch.device("cuda")], ids=["cuda:0", "cuda"])
+def test_cuda_capacity_is_free_plus_reserved_up_to_the_process_cap(monkeypatch, free, reserved, fraction, expected,
+                                                                    device):
     """What the probe may fill on an 80 GiB GPU: the free memory plus what torch already holds,
-    but no more than the cap set by torch.cuda.set_per_process_memory_fraction."""
-    device = torch.device("cuda", 0)
+    but no more than the cap set by torch.cuda.set_per_process_memory_fraction. A single-GPU run's
+    device is plain "cuda"; torch's cap query, like the fake here, wants the GPU's index."""
+
+    def get_per_process_memory_fraction(d):
+        if not isinstance(d, int) and d.index is None:
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{d}")
+        return fraction
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free * GiB, 80 * GiB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: reserved * GiB)
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d: fraction)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", get_per_process_memory_fraction)
     assert probe.CudaMemory(device).capacity() == expected * GiB
     monkeypatch.delattr(torch.cuda, "get_per_process_memory_fraction")  # an older torch: no cap to read
     assert probe.CudaMemory(device).capacity() == (free + reserved) * GiB
