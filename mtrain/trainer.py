@@ -5,12 +5,14 @@ mtrain.train.Run.
 Every write it makes (checkpoints, deleting old step files, averaged.pt) that fails raises one
 MtrainError naming the file and the cause. Each write happens before the last.pt that follows it,
 so the last.pt on disk is always the commit point of resume: the same command, once the cause is
-fixed, ends bit-identical to an uninterrupted run."""
+fixed, ends bit-identical to an uninterrupted run on a CPU (on a GPU, equal to rounding: its kernels
+need not add in the same order twice)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import math
 import random
 import sys
@@ -71,6 +73,14 @@ def new_optimizer(model: nn.Module, t: Any, device: torch.device) -> torch.optim
     the 7.5M parameters of d_model 256 3+3, one core)."""
     return torch.optim.Adam(model.parameters(), lr=0.0, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                             weight_decay=t.weight_decay, fused=device.type in ("cuda", "cpu") or None)
+
+
+def release_memory(device: torch.device) -> None:
+    """Free what a failed update left: its reference cycles, and on a GPU the allocator's cached
+    blocks, so that the memory goes back to the device."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> Any:
@@ -201,6 +211,11 @@ class Trainer:
                         forward_backward(objective, [batch], target_tokens(split.tgt.lengths, [rows]),
                                          autocast=lambda: autocast(device, amp_dtype))
                         optimizer.step()
+                    except BaseException:
+                        # Out of memory inside Adam's first step leaves a parameter's state half
+                        # made (a step count, no moments): the next budget starts from none.
+                        optimizer.state.clear()
+                        raise
                     finally:
                         optimizer.zero_grad(set_to_none=True)
 
@@ -266,14 +281,19 @@ class Trainer:
         and the gradient scaler skipped it (lowering its scale, as it does early in a run)."""
         update = self.prefetch.next()  # the stream's next batches (the same list on every rank); moves the stream
         total, host = update.prepared
-        micro = [to_device(tensors, self.device) for tensors in host]
-        step = self.state.step + 1
+        step, micro = self.state.step + 1, []
         try:  # the optimizer's step can run out of memory too: its first call allocates Adam's moments
+            micro = [to_device(tensors, self.device) for tensors in host]
             return self._update(step, micro, total)
         except RuntimeError as err:
             if not is_out_of_memory(err):
                 raise
-            raise self._out_of_memory(step, host) from None
+        # Raised outside the except clause, so the error does not carry the failed update's frames
+        # (its activations) as context: a caller that catches it and retries has the memory back.
+        del micro
+        self.optimizer.zero_grad(set_to_none=True)
+        release_memory(self.device)
+        raise self._out_of_memory(step, host)
 
     def _update(self, step: int, micro: list[tuple[torch.Tensor, ...]], total: int) -> dict[str, float] | None:
         """train_step on micro-batches already on the device."""
@@ -307,15 +327,14 @@ class Trainer:
         """The one line that ends a run whose update ran out of device memory: where, on what, and
         the budget to resume with. last.pt is not touched: it holds the last save, and the run
         resumes from it (the updates since are redone)."""
-        self.optimizer.zero_grad(set_to_none=True)
         shapes = " and ".join(f"{src.shape[0]} x {src.shape[1]} source / {tgt.shape[0]} x {tgt.shape[1]} target tokens"
                               for src, tgt, _ in host)
-        last = self.run_dir / "last.pt"
-        saved = f"{last} is intact, and" if last.is_file() else "nothing was saved yet, and"
-        return MtrainError(
-            f"step {step}: out of {self.device} memory in a batch of {shapes} (train.max_tokens={self.tcfg.max_tokens}); "
-            f"{saved} re-running the same command with --set train.max_tokens={suggest_max_tokens(self.tcfg.max_tokens)} "
-            "resumes from it")
+        last, smaller = self.run_dir / "last.pt", suggest_max_tokens(self.tcfg.max_tokens)
+        then = (f"{last} is intact, and re-running the same command with --set train.max_tokens={smaller} resumes from it"
+                if last.is_file() else
+                f"nothing was saved yet: re-run the same command with --set train.max_tokens={smaller} to start again")
+        return MtrainError(f"step {step}: out of {self.device} memory in a batch of {shapes} "
+                           f"(train.max_tokens={self.tcfg.max_tokens}); {then}")
 
     def _clip_and_step(self) -> float | None:
         params = [p for p in self.model.parameters() if p.grad is not None]

@@ -255,6 +255,36 @@ def test_auto_run_starts_as_one_given_its_budget_and_resumes_with_it(tokenized_s
     assert "max_tokens probe:" not in again.stderr
 
 
+def test_auto_survives_running_out_of_memory_inside_adams_first_step(tokenized_slice, monkeypatch):
+    """Adam makes its moments in its first step(); running out of memory there leaves a parameter's
+    state half made (its step count, no moments), as torch's Adam does. The next budget the probe
+    tries must start from a clean optimizer, not fail on the half-made state."""
+    from mtrain import trainer
+
+    FakeDevice(capacity=800 * MiB).patch(monkeypatch)
+    original, failed = trainer.new_optimizer, []
+
+    def new_optimizer(model, t, device):
+        optimizer = original(model, t, device)
+        step = optimizer.step
+
+        def first_step_runs_out(*args, **kwargs):
+            if not failed:
+                failed.append(True)
+                optimizer.state[next(iter(model.parameters()))]["step"] = torch.tensor(0.0)
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
+            return step(*args, **kwargs)
+
+        optimizer.step = first_step_runs_out
+        return optimizer
+
+    monkeypatch.setattr(trainer, "new_optimizer", new_optimizer)
+    result = train_cli(tokenized_slice, None, "train.max_tokens=auto")
+    assert result.exit_code == 0, result.output
+    assert failed and f"max_tokens probe: {probe.START} tokens: out of memory" in result.stderr
+    assert json.loads(result.stdout[result.stdout.index("{"):])["max_tokens"] < probe.START
+
+
 def test_auto_on_a_cpu_is_the_default_budget(tokenized_slice):
     result = train_cli(tokenized_slice, None, "train.max_tokens=auto")
     assert result.exit_code == 0, result.output
@@ -300,6 +330,37 @@ def test_out_of_memory_mid_run_is_one_line_and_the_run_resumes(tokenized_slice, 
     assert resumed.exit_code == 0 and "resuming from" in resumed.stderr
     a, b = (checkpoint.load(tmp_path / name / "last.pt")["model"] for name in ("whole", "cut"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_out_of_memory_error_lets_go_of_the_failed_update(tokenized_slice, tmp_path, monkeypatch):
+    """A script or notebook that catches the error and retries with the suggested budget in the same
+    process needs the failed update's memory back: the error carries no context (the frames of the
+    update, which hold its activations), and what the update made is freed once it is raised."""
+    import weakref
+
+    from mtrain import trainer
+    from mtrain.config import load_config
+    from mtrain.errors import MtrainError
+    from mtrain.train import train
+
+    original, calls, made = trainer.forward_backward, [], []
+
+    def forward_backward(objective, micro, *args, **kwargs):
+        calls.append(micro)
+        if len(calls) == 3:
+            activations = torch.ones(1024)
+            made.append(weakref.ref(activations))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return original(objective, micro, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "forward_backward", forward_backward)
+    config = load_config(None, TINY + ["train.max_tokens=512", "train.max_steps=5"])
+    with pytest.raises(MtrainError, match=r"^step 3: out of cpu memory in a batch of ") as caught:
+        train(config, tokenized_slice, tmp_path / "run", device="cpu")
+    assert str(caught.value).endswith("(train.max_tokens=512); nothing was saved yet: re-run the same command with "
+                                      "--set train.max_tokens=384 to start again")
+    assert caught.value.__context__ is None and caught.value.__cause__ is None
+    assert made and made[0]() is None
 
 
 def test_suggested_budget_is_smaller_and_a_multiple_of_64():
