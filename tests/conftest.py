@@ -25,7 +25,8 @@ DEVICES = [
 
 
 def pytest_configure(config):
-    # Two cores on CI: keep torch from oversubscribing them when tests run.
+    # Two cores on CI: keep the processes tests start (the CLI, torchrun) from oversubscribing them;
+    # this process's torch has read the variable already.
     os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 

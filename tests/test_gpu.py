@@ -26,13 +26,19 @@ TINY = ["model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.n_encoder
         "train.max_steps=10", "train.save_every=4", "train.eval_every=5", "train.eval_max_sentences=2"]
 
 
+def steady_precision() -> str:
+    """bfloat16 where the GPU has it (compute capability 8 on), float32 below: float16's loss scaler
+    skips updates early in a run, which would shift the update counts these tests check."""
+    return "train.amp=" + ("bf16" if torch.cuda.get_device_capability()[0] >= 8 else "off")
+
+
 def run(data, out, *extra: str) -> dict:
-    return train(load_config(None, TINY + list(extra)), data, out, device="cuda")
+    return train(load_config(None, TINY + [steady_precision(), *extra]), data, out, device="cuda")
 
 
 def losses(run_dir) -> dict[int, float]:
     records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-    return {r["step"]: r["loss"] for r in records if "loss" in r and "valid_bleu" not in r}
+    return {r["step"]: r["loss"] for r in records if r.get("event") == "train"}
 
 
 def test_auto_precision_is_bfloat16_from_compute_capability_8(tokenized_slice):
@@ -87,7 +93,7 @@ def test_a_real_out_of_memory_mid_run_is_one_line_and_the_run_resumes(tokenized_
 
     out = tmp_path / "run"
     args = ["train", "--data", str(tokenized_slice), "--out", str(out), "--device", "cuda"]
-    for item in TINY + ["train.max_steps=8", "train.save_every=2"]:
+    for item in TINY + [steady_precision(), "train.max_steps=8", "train.save_every=2"]:
         args += ["--set", item]
     with monkeypatch.context() as patch:
         patch.setattr(trainer, "forward_backward", forward_backward)
@@ -111,17 +117,16 @@ MEDIUM = ["model.d_model=512", "model.d_ff=2048", "model.n_heads=8", "model.n_en
 def test_max_tokens_auto_keeps_every_update_under_a_memory_cap(tokenized_slice, tmp_path):
     """The process capped at 3 GiB (torch.cuda.set_per_process_memory_fraction, as a job sharing
     its GPU would be): the probe's budget trains 30 updates of the base model's shape without
-    running out of memory, and the allocator's peak stays under the cap."""
+    running out of memory (the allocator refuses to reserve past the cap, so an update that needed
+    more would have failed)."""
     cap = 3 * GiB
     torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory)
     try:
-        torch.cuda.reset_peak_memory_stats()
         config = load_config(None, MEDIUM + ["train.max_tokens=auto"])
         assert train(config, tokenized_slice, tmp_path / "run", device="cuda")["step"] == 30
         chosen = checkpoint.load(tmp_path / "run" / "last.pt")["config"]["train"]["max_tokens"]
         assert isinstance(chosen, int) and chosen >= 1024
-        assert torch.cuda.max_memory_reserved() <= cap
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
