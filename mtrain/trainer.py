@@ -300,8 +300,10 @@ class Trainer:
         t = self.tcfg
         loss_sum, nll_sum = forward_backward(self.objective, micro, total, self.dist.world_size, self.autocast,
                                              self.scaler)
-        sums = dist_utils.all_reduce_sum(torch.tensor([loss_sum, nll_sum], dtype=torch.float64,
-                                                      device=self.device), self.dist).tolist()
+        sums = [loss_sum, nll_sum]
+        if self.dist.enabled:  # one process needs no device round trip (on a GPU, a copy and a sync)
+            sums = dist_utils.all_reduce_sum(torch.tensor(sums, dtype=torch.float64, device=self.device),
+                                             self.dist).tolist()
         if not math.isfinite(sums[0]):
             self.optimizer.zero_grad(set_to_none=True)
             return None
