@@ -162,5 +162,8 @@ def amp_note(amp: str, dtype: torch.dtype | None, device: torch.device) -> str:
         where = f"cpu with native bfloat16, {isa}" if isa else "cpu with native bfloat16"
     elif device.type == "cuda":
         where = torch.cuda.get_device_name(device)
+        if dtype == torch.bfloat16 and not cuda_has_native_bf16(device):
+            where += (", no native bfloat16 below compute capability 8, so emulated and slow; "
+                      "train.amp=auto trains in float16 here")
     hint = "; --set train.amp=off for float32" if amp == "auto" else ""
     return f"precision: {name} (train.amp={amp}: {where}; autocast over float32 weights{hint})"

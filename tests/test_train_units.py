@@ -145,6 +145,23 @@ def test_bf16_on_a_cpu_without_native_bfloat16_trains_in_float32(monkeypatch):
     assert hardware.resolve_amp("off", cpu) is None  # auto on CPUs: tests/test_precision.py
 
 
+@pytest.mark.parametrize("major,auto", [(7, torch.float16), (8, torch.bfloat16)], ids=["T4", "A100"])
+def test_bf16_asked_on_a_gpu_without_native_bfloat16_says_it_is_emulated(monkeypatch, major, auto):
+    """A GPU of compute capability 7 (V100, T4) runs bfloat16 matmuls emulated: train.amp=auto picks
+    float16 there, and an explicit bf16 is kept but the precision line says what it costs."""
+    from mtrain import hardware
+
+    gpu = torch.device("cuda")
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (major, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Some GPU")
+    assert hardware.resolve_amp("auto", gpu) is auto and hardware.resolve_amp("bf16", gpu) is torch.bfloat16
+    note = hardware.amp_note("bf16", torch.bfloat16, gpu)
+    assert note.startswith("precision: bfloat16 (train.amp=bf16: Some GPU") and "\n" not in note
+    assert ("so emulated and slow; train.amp=auto trains in float16 here" in note) == (major < 8)
+
+
 @pytest.mark.parametrize("amx,avx512_bf16,native", [(False, False, False), (True, False, True),
                                                     (False, True, True), (True, True, True)])
 def test_native_bf16_means_amx_or_avx512_bf16_on_x86(monkeypatch, amx, avx512_bf16, native):
