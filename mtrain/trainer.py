@@ -332,9 +332,9 @@ class Trainer:
         shapes = " and ".join(f"{src.shape[0]} x {src.shape[1]} source / {tgt.shape[0]} x {tgt.shape[1]} target tokens"
                               for src, tgt, _ in host)
         last, smaller = self.run_dir / "last.pt", suggest_max_tokens(self.tcfg.max_tokens)
-        then = (f"{last} is intact, and re-running the same command with --set train.max_tokens={smaller} resumes from it"
-                if last.is_file() else
-                f"nothing was saved yet: re-run the same command with --set train.max_tokens={smaller} to start again")
+        budget = f"--set train.max_tokens={smaller}"
+        then = (f"{last} is intact, and re-running the same command with {budget} resumes from it" if last.is_file()
+                else f"nothing was saved yet: re-run the same command with {budget} to start again")
         return MtrainError(f"step {step}: out of {self.device} memory in a batch of {shapes} "
                            f"(train.max_tokens={self.tcfg.max_tokens}); {then}")
 
