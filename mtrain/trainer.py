@@ -77,10 +77,21 @@ def new_optimizer(model: nn.Module, t: Any, device: torch.device) -> torch.optim
 
 def release_memory(device: torch.device) -> None:
     """Free what a failed update left: its reference cycles, and on a GPU the allocator's cached
-    blocks, so that the memory goes back to the device."""
+    blocks, so that the memory goes back to the device. A GPU in a sticky error state refuses even
+    that; the error line that follows matters more, so that refusal is ignored."""
     gc.collect()
     if device.type == "cuda":
-        torch.cuda.empty_cache()
+        with contextlib.suppress(RuntimeError):
+            torch.cuda.empty_cache()
+
+
+def forget_half_made_state(optimizer: torch.optim.Optimizer) -> None:
+    """Drop the parameters' optimizer state that an error inside Adam's first step left half made
+    (a step count, no moments), which the next step would fail on with KeyError('exp_avg'). Complete
+    state stays: the memory probe measures later budgets with the moments in place, as training
+    holds them."""
+    for param in [p for p, state in optimizer.state.items() if not {"exp_avg", "exp_avg_sq"} <= state.keys()]:
+        del optimizer.state[param]
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> Any:
@@ -212,9 +223,7 @@ class Trainer:
                                          autocast=lambda: autocast(device, amp_dtype))
                         optimizer.step()
                     except BaseException:
-                        # Out of memory inside Adam's first step leaves a parameter's state half
-                        # made (a step count, no moments): the next budget starts from none.
-                        optimizer.state.clear()
+                        forget_half_made_state(optimizer)
                         raise
                     finally:
                         optimizer.zero_grad(set_to_none=True)

@@ -285,6 +285,36 @@ def test_auto_survives_running_out_of_memory_inside_adams_first_step(tokenized_s
     assert json.loads(result.stdout[result.stdout.index("{"):])["max_tokens"] < probe.START
 
 
+def test_the_probe_keeps_adams_moments_through_a_budget_that_runs_out(tokenized_slice, monkeypatch):
+    """Training holds Adam's moments while it steps, so the probe must too: after a budget runs out
+    of memory in forward or backward, the next budgets are measured with every parameter's moments
+    still in place, not from an emptied optimizer."""
+    from mtrain import trainer
+
+    FakeDevice(capacity=800 * MiB).patch(monkeypatch)
+    made, original_optimizer = [], trainer.new_optimizer
+    monkeypatch.setattr(trainer, "new_optimizer", lambda *args: made.append(original_optimizer(*args)) or made[-1])
+    fake_forward_backward, seen = trainer.forward_backward, []
+
+    def forward_backward(objective, micro, *args, **kwargs):
+        optimizer = made[0]  # the probe's: a dry run builds it first and trains nothing
+        complete = sum({"exp_avg", "exp_avg_sq"} <= s.keys() for s in optimizer.state.values())
+        too_large = max(max(src.numel(), tgt.numel()) for src, tgt, _ in micro) > 3000
+        seen.append((complete, too_large))
+        if too_large:  # memory that grows faster than the probe's line predicts
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return fake_forward_backward(objective, micro, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "forward_backward", forward_backward)
+    result = train_cli(tokenized_slice, None, "train.max_tokens=auto")
+    assert result.exit_code == 0, result.output
+    n_params = len(list(made[0].param_groups[0]["params"]))
+    first_fit = next(i for i, (_, too_large) in enumerate(seen) if not too_large)
+    failures = [i for i, (_, too_large) in enumerate(seen) if too_large]
+    assert failures and failures[-1] < len(seen) - 1  # a budget ran out, and others were measured after it
+    assert all(complete == n_params for complete, _ in seen[first_fit + 1:])
+
+
 def test_auto_on_a_cpu_is_the_default_budget(tokenized_slice):
     result = train_cli(tokenized_slice, None, "train.max_tokens=auto")
     assert result.exit_code == 0, result.output
@@ -361,6 +391,33 @@ def test_the_out_of_memory_error_lets_go_of_the_failed_update(tokenized_slice, t
                                       "--set train.max_tokens=384 to start again")
     assert caught.value.__context__ is None and caught.value.__cause__ is None
     assert made and made[0]() is None
+
+
+def test_out_of_memory_copying_a_batch_to_the_device_is_the_same_line(tokenized_slice, tmp_path, monkeypatch):
+    """The copy of an update's batch to the device can be the allocation that fails: the same line,
+    naming the step and the batch, as an update that runs out."""
+    from mtrain import trainer
+    from mtrain.config import load_config
+    from mtrain.errors import MtrainError
+    from mtrain.train import train
+
+    original, calls = trainer.to_device, []
+
+    def to_device(tensors, device):
+        calls.append(tensors)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
+        return original(tensors, device)
+
+    monkeypatch.setattr(trainer, "to_device", to_device)
+    config = load_config(None, TINY + ["train.max_tokens=512", "train.max_steps=5", "train.save_every=2"])
+    with pytest.raises(MtrainError) as caught:
+        train(config, tokenized_slice, tmp_path / "run", device="cpu")
+    src, tgt, _ = calls[2]
+    assert str(caught.value) == (
+        f"step 3: out of cpu memory in a batch of {src.shape[0]} x {src.shape[1]} source / {tgt.shape[0]} x "
+        f"{tgt.shape[1]} target tokens (train.max_tokens=512); {tmp_path / 'run' / 'last.pt'} is intact, and "
+        "re-running the same command with --set train.max_tokens=384 resumes from it")
 
 
 def test_suggested_budget_is_smaller_and_a_multiple_of_64():
