@@ -293,7 +293,12 @@ def test_the_probe_keeps_adams_moments_through_a_budget_that_runs_out(tokenized_
 
     FakeDevice(capacity=800 * MiB).patch(monkeypatch)
     made, original_optimizer = [], trainer.new_optimizer
-    monkeypatch.setattr(trainer, "new_optimizer", lambda *args: made.append(original_optimizer(*args)) or made[-1])
+
+    def new_optimizer(*args):
+        made.append(original_optimizer(*args))
+        return made[-1]
+
+    monkeypatch.setattr(trainer, "new_optimizer", new_optimizer)
     fake_forward_backward, seen = trainer.forward_backward, []
 
     def forward_backward(objective, micro, *args, **kwargs):
