@@ -95,6 +95,13 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
+def cuda_index(device: torch.device) -> int:
+    """The index of the GPU a CUDA device means: plain "cuda" (one process on one GPU) is the
+    current device. Some torch.cuda calls (get_per_process_memory_fraction) refuse a device
+    without an index."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def cuda_has_native_bf16(device: torch.device) -> bool:
     """Whether this GPU multiplies bfloat16 in hardware: compute capability 8.0 on (Ampere and
     later) or ROCm. torch.cuda.is_bf16_supported() also says yes where bfloat16 is only emulated
@@ -102,8 +109,7 @@ def cuda_has_native_bf16(device: torch.device) -> bool:
     asks about the current device, which need not be the one `device` names."""
     if torch.version.hip:
         return True
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index)[0] >= 8
+    return torch.cuda.get_device_capability(cuda_index(device))[0] >= 8
 
 
 def resolve_amp(amp: str, device: torch.device, key: str = "train.amp") -> torch.dtype | None:

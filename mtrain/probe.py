@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from mtrain.errors import MtrainError, is_out_of_memory
+from mtrain.hardware import cuda_index
 
 MARGIN = 0.10  # of the device's memory left free: allocator fragmentation, validation, other batches' shapes
 GRAIN = 64  # budgets are multiples of this
@@ -41,10 +42,7 @@ class CudaMemory:
     run out of."""
 
     def __init__(self, device: torch.device) -> None:
-        # One process on one GPU has device "cuda" with no index, which some torch.cuda queries
-        # (get_per_process_memory_fraction) refuse: name the GPU that "cuda" means.
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        self.device = torch.device("cuda", index)
+        self.device = torch.device("cuda", cuda_index(device))  # the cap query wants an index
 
     def capacity(self) -> int:
         free, total = torch.cuda.mem_get_info(self.device)  # other processes on the GPU count

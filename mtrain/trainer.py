@@ -31,7 +31,7 @@ from mtrain.config import Config, replace, to_dict
 from mtrain.data import Batch, BatchStream, SubwordSampler, TokenizedData, collate, make_batches, stream_target_tokens, target_tokens
 from mtrain.errors import MtrainError, is_out_of_memory
 from mtrain.evaluate import score
-from mtrain.hardware import resolve_amp
+from mtrain.hardware import cuda_index, resolve_amp
 from mtrain.loss import Objective, forward_backward
 from mtrain.model import Transformer
 from mtrain.prefetch import Prefetcher, pin, to_device
@@ -205,7 +205,7 @@ class Trainer:
         """Run the probe on a throw-away model and optimizer like the run's, with the RNG forked,
         so the run itself starts exactly as it would with the budget given by hand."""
         split, t, device = self.train_split, cfg.train, self.device
-        devices = [device.index or 0] if device.type == "cuda" else []
+        devices = [cuda_index(device)] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(t.seed)
             model = Transformer(cfg.model).to(device).train()

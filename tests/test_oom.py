@@ -13,7 +13,9 @@ from typer.testing import CliRunner
 
 from mtrain import checkpoint, probe
 from mtrain.cli import app
+from mtrain.config import load_config
 from mtrain.errors import MtrainError
+from mtrain.train import train
 
 MiB = 2 ** 20
 GiB = 2 ** 30
@@ -374,9 +376,6 @@ def test_the_out_of_memory_error_lets_go_of_the_failed_update(tokenized_slice, t
     import weakref
 
     from mtrain import trainer
-    from mtrain.config import load_config
-    from mtrain.errors import MtrainError
-    from mtrain.train import train
 
     original, calls, made = trainer.forward_backward, [], []
 
@@ -402,9 +401,6 @@ def test_out_of_memory_copying_a_batch_to_the_device_is_the_same_line(tokenized_
     """The copy of an update's batch to the device can be the allocation that fails: the same line,
     naming the step and the batch, as an update that runs out."""
     from mtrain import trainer
-    from mtrain.config import load_config
-    from mtrain.errors import MtrainError
-    from mtrain.train import train
 
     original, calls = trainer.to_device, []
 
