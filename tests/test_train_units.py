@@ -173,7 +173,6 @@ def test_native_bf16_means_amx_or_avx512_bf16_on_x86(monkeypatch, amx, avx512_bf
     assert cpu_summary()["native_bf16"] is native
 
 
-
 def test_cpu_signature_is_the_first_processors_family_model_and_stepping(tmp_path):
     from mtrain.hardware import cpu_model, cpu_signature, cpuinfo_fields
 
@@ -181,11 +180,13 @@ def test_cpu_signature_is_the_first_processors_family_model_and_stepping(tmp_pat
             "model name\t: Intel(R) Xeon(R) Processor\nstepping\t: 2\n\n"
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(block.format(n=0, model=207) + block.format(n=1, model=143), encoding="utf-8")
-    assert cpu_signature(cpuinfo_fields(str(cpuinfo))) == "family 6 model 207 stepping 2"
-    assert cpu_model(cpuinfo_fields(str(cpuinfo))) == "Intel(R) Xeon(R) Processor"
+    fields = cpuinfo_fields(str(cpuinfo))
+    assert cpu_signature(fields) == "family 6 model 207 stepping 2"
+    assert cpu_model(fields) == "Intel(R) Xeon(R) Processor"
     cpuinfo.write_text("processor\t: 0\nmodel name\t: some ARM core\n\n", encoding="utf-8")
     assert cpu_signature(cpuinfo_fields(str(cpuinfo))) is None  # no x86 signature fields
     assert cpu_signature(cpuinfo_fields(str(tmp_path / "missing"))) is None
+
 
 # ---------------------------------------------------------------- R-Drop
 
