@@ -27,15 +27,16 @@ def rng_state(device: torch.device = torch.device("cpu")) -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any], device: torch.device = torch.device("cpu")) -> str | None:
     """Restore rng_state(device); a note (None when all was restored) where the saved state cannot
-    decide this device's masks: a checkpoint from a CPU run resumed on a GPU, or one that saved every
-    GPU's generator (older checkpoints) while another number of GPUs is visible now."""
+    decide this device's masks: a checkpoint from a CPU run resumed on a GPU or the reverse, or one
+    that saved every GPU's generator (older checkpoints) while another number of GPUs is visible now."""
     random.setstate(_as_tuple(state["python"]))
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     saved = state["cuda"]
     if device.type != "cuda":
-        return None
+        # The CPU generator is restored, but on the GPU the masks came from the GPU's generator.
+        return "the checkpoint was written by a run on a GPU, whose generator drew the dropout masks" if saved else None
     if len(saved) == 1:
         torch.cuda.set_rng_state(saved[0], device)
         return None

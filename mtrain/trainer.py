@@ -259,8 +259,8 @@ class Trainer:
         else:
             why = f"{path} was written by {len(rngs)} process(es), now {self.dist.world_size}"
         if why:
-            self.log(f"note: {why}; dropout RNG is reseeded, so this run will not match an uninterrupted "
-                     "one bit for bit")
+            self.log(f"note: {why}, so this run's dropout masks differ from an uninterrupted run's and "
+                     "it will not match one bit for bit")
         self.log(f"resuming from {path}: step {self.state.step}, epoch {self.state.epoch}, "
                  f"batch {self.state.batch_index}/{len(self.stream.batches(self.state.epoch))}, "
                  f"best BLEU {max(self.state.best_bleu, 0.0):.2f}")

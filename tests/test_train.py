@@ -164,6 +164,20 @@ def test_resume_with_other_tokenizer_fails(copy_data, tmp_path):
         run(copy_data, tmp_path, "train.max_steps=4")
 
 
+def test_resume_of_a_gpu_run_on_a_cpu_says_its_dropout_masks_differ(copy_data, tmp_path, capsys):
+    """last.pt as a GPU run writes it (its GPU's generator saved beside the CPU one), resumed on a
+    CPU: the run goes on, and the log says why it cannot match the GPU run bit for bit."""
+    run(copy_data, tmp_path, "train.max_steps=2", "train.eval_every=2")
+    last = checkpoint.load(tmp_path / "last.pt")
+    last["train_state"]["rng"][0]["cuda"] = [torch.zeros(16, dtype=torch.uint8)]
+    checkpoint.save_atomic(last, tmp_path / "last.pt")
+    capsys.readouterr()
+    run(copy_data, tmp_path, "train.max_steps=4", "train.eval_every=2")
+    err = capsys.readouterr().err
+    assert "note: the checkpoint was written by a run on a GPU" in err and "resuming from" in err
+    assert checkpoint.load(tmp_path / "last.pt")["train_state"]["state"]["step"] == 4
+
+
 def test_failed_checkpoint_write_keeps_previous_files(copy_data, tmp_path, monkeypatch):
     """Disk full during the second last.pt write: a half-written temp file, then OSError."""
     real_save, calls = torch.save, []

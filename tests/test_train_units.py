@@ -303,12 +303,15 @@ def test_rng_state_saves_the_training_gpus_generator_and_restores_it_wherever_it
     gpus2 = FakeCudaGenerators(monkeypatch, count=1)  # resumed where one GPU is visible
     assert set_rng_state(state, torch.device("cuda", 0)) is None
     assert gpus2.set_calls == [(0, 12)] and torch.equal(torch.rand(3), expected)
-    assert rng_state(torch.device("cpu"))["cuda"] == [] and set_rng_state(state) is None  # on a CPU: no GPU state
+    assert rng_state(torch.device("cpu"))["cuda"] == []  # on a CPU: no GPU state
+    assert "run on a GPU" in set_rng_state(state)  # a GPU run resumed on a CPU: restored, with a note
+    assert torch.equal(torch.rand(3), expected)
 
 
 def test_rng_state_of_every_gpu_restores_only_where_as_many_are_visible(monkeypatch):
     """Checkpoints that saved every visible GPU's generator restore them all where as many GPUs are
-    visible; elsewhere, and for a CPU run resumed on a GPU, set_rng_state says why it could not."""
+    visible; elsewhere, and for a CPU run resumed on a GPU, set_rng_state says why it could not;
+    a CPU run resumed on a CPU needs no note."""
     from mtrain.resume import rng_state, set_rng_state
     state = rng_state(torch.device("cpu"))
     state["cuda"] = [torch.tensor([10], dtype=torch.uint8), torch.tensor([11], dtype=torch.uint8)]
@@ -318,6 +321,7 @@ def test_rng_state_of_every_gpu_restores_only_where_as_many_are_visible(monkeypa
     assert "generators of 2 GPUs and 3 are visible" in set_rng_state(state, torch.device("cuda", 0))
     state["cuda"] = []
     assert "run on a CPU" in set_rng_state(state, torch.device("cuda", 0))
+    assert set_rng_state(state) is None
 
 
 def test_float16_overflow_skips_the_update_lowers_the_scale_and_is_not_counted():
