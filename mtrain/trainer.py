@@ -75,6 +75,20 @@ def new_optimizer(model: nn.Module, t: Any, device: torch.device) -> torch.optim
                             weight_decay=t.weight_decay, fused=device.type in ("cuda", "cpu") or None)
 
 
+# Adam's settings that choose its kernels, not its arithmetic's inputs.
+KERNEL_FLAGS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def with_own_kernels(saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """A saved optimizer state whose groups take this optimizer's kernel choices. load_state_dict
+    copies every group setting from the file, so a checkpoint written without fused Adam
+    (fused=None) would turn it off here; on a float16 GPU run GradScaler then hands the unfused
+    step the scale it gives only a fused one, and the step fails."""
+    ours = optimizer.param_groups[0]
+    groups = [{**group, **{flag: ours[flag] for flag in KERNEL_FLAGS if flag in ours}} for group in saved["param_groups"]]
+    return {**saved, "param_groups": groups}
+
+
 def release_memory(device: torch.device) -> None:
     """Free what a failed update left: its reference cycles, and on a GPU the allocator's cached
     blocks, so that the memory goes back to the device. A GPU in a sticky error state refuses even
@@ -247,7 +261,7 @@ class Trainer:
         if ts is None:
             raise MtrainError(f"{path}: holds no training state; pass a new --out folder to start a fresh run")
         self.model.load_state_dict(ckpt["model"])
-        self.optimizer.load_state_dict(ts["optimizer"])
+        self.optimizer.load_state_dict(with_own_kernels(ts["optimizer"], self.optimizer))
         if self.scaler is not None and ts.get("scaler"):
             self.scaler.load_state_dict(ts["scaler"])
         self.state = TrainState.from_saved(ts["state"])

@@ -2,6 +2,7 @@
 loss, the metrics log and the plot."""
 
 import math
+import types
 
 import pytest
 import torch
@@ -324,16 +325,19 @@ def test_rng_state_of_every_gpu_restores_only_where_as_many_are_visible(monkeypa
     assert set_rng_state(state) is None
 
 
+ADAM = types.SimpleNamespace(adam_beta1=0.9, adam_beta2=0.98, adam_eps=1e-9, weight_decay=0.0)
+
+
 def test_float16_overflow_skips_the_update_lowers_the_scale_and_is_not_counted():
     """With float16's gradient scaler, an infinite gradient skips the optimizer step and halves the
     scale (as early in every float16 run); train_step then counts no update (it returns {}). A finite
     gradient steps. The scaler runs on the CPU here; on a GPU it is the same object on "cuda"."""
-    import types
-
-    from mtrain.trainer import Trainer
+    from mtrain.trainer import Trainer, new_optimizer
 
     model = torch.nn.Linear(3, 2)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    optimizer = new_optimizer(model, ADAM, torch.device("cpu"))  # fused, as a GPU run's is: the scaler's own path
+    assert optimizer.param_groups[0]["fused"] is True
+    optimizer.param_groups[0]["lr"] = 0.1
     lines: list[str] = []
     fake = types.SimpleNamespace(model=model, optimizer=optimizer, scaler=torch.amp.GradScaler("cpu", init_scale=1024.0),
                                  tcfg=types.SimpleNamespace(clip_norm=0.0), state=types.SimpleNamespace(step=6),
@@ -348,3 +352,34 @@ def test_float16_overflow_skips_the_update_lowers_the_scale_and_is_not_counted()
     fake.scaler.scale(model(torch.ones(1, 3)).sum()).backward()
     assert math.isfinite(Trainer._clip_and_step(fake))
     assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters())) and len(lines) == 1
+
+
+def test_resumed_adam_keeps_its_fused_kernel_and_steps_under_the_loss_scaler():
+    """A checkpoint written without fused Adam (fused=None) resumes into the fused optimizer the
+    trainer makes: moments and step counts load, the kernel choice stays, and a scaled step (the
+    float16 path) runs. Loading the file's groups as they are would turn fusion off, and the
+    scaler's step would then fail."""
+    from mtrain.trainer import new_optimizer, with_own_kernels
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    unfused = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    unfused.step()
+    saved = unfused.state_dict()
+    assert saved["param_groups"][0]["fused"] is None
+    optimizer = new_optimizer(model, ADAM, torch.device("cpu"))
+    optimizer.load_state_dict(with_own_kernels(saved, optimizer))
+    group = optimizer.param_groups[0]
+    assert group["fused"] is True and group["lr"] == 0.1 and group["betas"] == (0.9, 0.999)  # the file's hyperparameters
+    for param in model.parameters():
+        assert torch.equal(optimizer.state[param]["exp_avg"], unfused.state[param]["exp_avg"])
+        assert float(optimizer.state[param]["step"]) == 1.0
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(model(torch.ones(1, 3)).sum()).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    assert not any(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(float(optimizer.state[p]["step"]) == 2.0 for p in model.parameters())
+
