@@ -12,20 +12,29 @@ import torch
 from mtrain.errors import MtrainError
 
 
+X86 = ("x86_64", "amd64", "i386", "i686")
+
+
 def cpu_bf16_isa() -> str | None:
     """How this CPU multiplies bfloat16 in hardware: "AMX", "AVX512-BF16" (x86), "oneDNN" (what
-    oneDNN reports elsewhere, e.g. aarch64), or None when bf16 matmuls would be emulated: 0.9
-    GFLOP/s against 45 in float32 on one core of an AVX2-only AMD EPYC, and a training step took
-    35 s instead of 1.3 s (docs/recipe.md)."""
-    cpu = getattr(torch, "cpu", None)
+    oneDNN reports elsewhere, e.g. aarch64 with the BF16 extension), or None when bf16 matmuls would
+    be emulated: 0.9 GFLOP/s against 45 in float32 on one core of an AVX2-only AMD EPYC, and a
+    training step took 35 s instead of 1.3 s (docs/recipe.md). torch defines its x86 checks on every
+    architecture (False off x86), so the machine decides which question is asked."""
+    if platform.machine().lower() not in X86:
+        return "oneDNN" if onednn_has_bf16() else None
+    cpu = torch.cpu
     checks = {"AMX": getattr(cpu, "_is_amx_tile_supported", None),
               "AVX512-BF16": getattr(cpu, "_is_avx512_bf16_supported", None)}
-    if all(callable(check) for check in checks.values()):
-        return next((name for name, check in checks.items() if check()), None)
-    try:  # non-x86 builds (aarch64): ask oneDNN
-        return "oneDNN" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
+    return next((name for name, check in checks.items() if callable(check) and check()), None)
+
+
+def onednn_has_bf16() -> bool:
+    """oneDNN's own check for native bfloat16 (on aarch64: the BF16 extension)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
-        return None
+        return False
 
 
 def cpu_has_native_bf16() -> bool:

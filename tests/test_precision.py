@@ -26,6 +26,7 @@ def test_auto_is_bfloat16_exactly_on_cpus_that_multiply_it_natively(monkeypatch,
 @pytest.mark.parametrize("amx,avx512_bf16,isa", [(False, False, None), (True, False, "AMX"),
                                                  (False, True, "AVX512-BF16"), (True, True, "AMX")])
 def test_the_note_names_the_instructions_that_make_bf16_native(monkeypatch, amx, avx512_bf16, isa):
+    monkeypatch.setattr(hardware.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
     assert hardware.cpu_bf16_isa() == isa
@@ -37,6 +38,22 @@ def test_the_note_names_the_instructions_that_make_bf16_native(monkeypatch, amx,
     else:
         assert dtype is torch.bfloat16 and note.startswith("precision: bfloat16 (") and isa in note
         assert "train.amp=off" in note  # how to get float32 back
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+def test_off_x86_onednn_decides_and_the_x86_checks_are_not_asked(monkeypatch, onednn):
+    """On aarch64 torch's x86 checks exist and say False; oneDNN's check (the BF16 extension, as on
+    AWS Graviton 3) decides instead."""
+    monkeypatch.setattr(hardware.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(hardware, "onednn_has_bf16", lambda: onednn)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: pytest.fail("asked on aarch64"), raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: pytest.fail("asked on aarch64"), raising=False)
+    assert hardware.cpu_bf16_isa() == ("oneDNN" if onednn else None)
+    assert hardware.resolve_amp("auto", CPU) is (torch.bfloat16 if onednn else None)
+
+
+def test_onednn_check_answers_a_boolean_on_this_build():
+    assert isinstance(hardware.onednn_has_bf16(), bool)
 
 
 @pytest.mark.parametrize("capability,expected", [((7, 0), torch.float16), ((7, 5), torch.float16),

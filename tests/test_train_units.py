@@ -166,8 +166,10 @@ def test_bf16_asked_on_a_gpu_without_native_bfloat16_says_it_is_emulated(monkeyp
 @pytest.mark.parametrize("amx,avx512_bf16,native", [(False, False, False), (True, False, True),
                                                     (False, True, True), (True, True, True)])
 def test_native_bf16_means_amx_or_avx512_bf16_on_x86(monkeypatch, amx, avx512_bf16, native):
+    from mtrain import hardware
     from mtrain.hardware import cpu_has_native_bf16, cpu_summary
 
+    monkeypatch.setattr(hardware.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
     assert cpu_has_native_bf16() is native
