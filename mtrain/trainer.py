@@ -135,9 +135,16 @@ def smallest_over_ranks(value: int, dist: dist_utils.DistInfo, device: torch.dev
     return int(tensor.item())
 
 
-def suggest_max_tokens(max_tokens: int) -> int:
-    """Three quarters of a budget that ran out of memory, a multiple of 64 (at least 64)."""
-    return max(64, int(max_tokens * 0.75) // 64 * 64)
+def suggest_max_tokens(max_tokens: int, floor: int) -> int | None:
+    """A smaller budget to try after `max_tokens` ran out of memory: three quarters of it, in
+    multiples of 64 where that leaves one, but no less than `floor`, the longest pair's cost, which
+    every batch must hold (a smaller budget is refused before training). None when nothing smaller
+    holds the longest pair."""
+    three_quarters = int(max_tokens * 0.75)
+    smaller = max(three_quarters // 64 * 64 or three_quarters, -(-floor // 64) * 64)
+    if smaller >= max_tokens:  # the floor rounded up is no smaller: without rounding
+        smaller = max(three_quarters, floor)
+    return smaller if smaller < max_tokens else None
 
 
 # ---------------------------------------------------------------- the trainer
@@ -354,10 +361,16 @@ class Trainer:
         resumes from it (the updates since are redone)."""
         shapes = " and ".join(f"{src.shape[0]} x {src.shape[1]} source / {tgt.shape[0]} x {tgt.shape[1]} target tokens"
                               for src, tgt, _ in host)
-        last, smaller = self.run_dir / "last.pt", suggest_max_tokens(self.tcfg.max_tokens)
-        budget = f"--set train.max_tokens={smaller}"
-        then = (f"{last} is intact, and re-running the same command with {budget} resumes from it" if last.is_file()
-                else f"nothing was saved yet: re-run the same command with {budget} to start again")
+        last = self.run_dir / "last.pt"
+        floor = probe.longest_cost(self.train_split.src.lengths, self.train_split.tgt.lengths)
+        smaller = suggest_max_tokens(self.tcfg.max_tokens, floor)
+        if smaller is None:
+            then = (f"the budget is already the longest pair's {floor} tokens: lower data.max_len and re-tokenize, "
+                    "or train on a device with more memory")
+        elif last.is_file():
+            then = f"{last} is intact, and re-running the same command with --set train.max_tokens={smaller} resumes from it"
+        else:
+            then = f"nothing was saved yet: re-run the same command with --set train.max_tokens={smaller} to start again"
         return MtrainError(f"step {step}: out of {self.device} memory in a batch of {shapes} "
                            f"(train.max_tokens={self.tcfg.max_tokens}); {then}")
 
@@ -407,7 +420,7 @@ class Trainer:
         meets, and greedy search's row count falls as sentences finish) and scored other translations
         than `translate` would. The RNG is forked so dropout after validation is what it would be
         without it."""
-        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        devices = [cuda_index(self.device)] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             self.model.eval()
             try:

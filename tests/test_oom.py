@@ -421,12 +421,56 @@ def test_out_of_memory_copying_a_batch_to_the_device_is_the_same_line(tokenized_
         "re-running the same command with --set train.max_tokens=384 resumes from it")
 
 
-def test_suggested_budget_is_smaller_and_a_multiple_of_64():
+def oom_at_update(monkeypatch, n: int) -> None:
+    """Update n of the next run runs out of memory (injected)."""
+    from mtrain import trainer
+
+    original, calls = trainer.forward_backward, []
+
+    def forward_backward(objective, micro, *args, **kwargs):
+        calls.append(micro)
+        if len(calls) == n:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (injected)")
+        return original(objective, micro, *args, **kwargs)
+    monkeypatch.setattr(trainer, "forward_backward", forward_backward)
+
+
+def test_the_suggested_budget_resumes_the_run_to_its_end(tokenized_slice, tmp_path, monkeypatch):
+    """What the line says to do works: the same command with the suggested max_tokens resumes from
+    last.pt (the batches are re-cut for the new budget) and trains to max_steps."""
+    sets = ["train.max_tokens=512", "train.max_steps=6", "train.save_every=2"]
+    with monkeypatch.context() as patch:
+        oom_at_update(patch, 3)
+        with pytest.raises(MtrainError, match=r"--set train\.max_tokens=384 resumes from it$"):
+            train(load_config(None, TINY + sets), tokenized_slice, tmp_path / "run", device="cpu")
+    train(load_config(None, TINY + sets + ["train.max_tokens=384"]), tokenized_slice, tmp_path / "run", device="cpu")
+    last = checkpoint.load(tmp_path / "run" / "last.pt")
+    assert last["step"] == 6 and last["config"]["train"]["max_tokens"] == 384
+
+
+def test_out_of_memory_at_the_longest_pairs_budget_says_no_smaller_budget_helps(tokenized_slice, tmp_path, monkeypatch):
+    """A budget that is already the longest pair's cost cannot shrink: the line says what can help."""
+    from mtrain.data import TokenizedData
+
+    split = TokenizedData(tokenized_slice).split("train")
+    floor = probe.longest_cost(split.src.lengths, split.tgt.lengths)
+    oom_at_update(monkeypatch, 1)
+    with pytest.raises(MtrainError) as caught:
+        train(load_config(None, TINY + [f"train.max_tokens={floor}", "train.max_steps=3"]), tokenized_slice,
+              tmp_path / "run", device="cpu")
+    assert str(caught.value).endswith(f"(train.max_tokens={floor}); the budget is already the longest pair's {floor} "
+                                      "tokens: lower data.max_len and re-tokenize, or train on a device with more memory")
+
+
+def test_suggested_budget_is_three_quarters_in_64s_and_never_below_the_longest_pair():
     from mtrain.trainer import suggest_max_tokens
 
-    for budget in (64, 100, 512, 4096, 25000, 65536):
-        suggested = suggest_max_tokens(budget)
-        assert suggested % 64 == 0 and (suggested < budget or budget == 64) and suggested >= 64
+    assert suggest_max_tokens(512, 60) == 384 and suggest_max_tokens(25000, 60) == 18688 and suggest_max_tokens(100, 10) == 64
+    assert suggest_max_tokens(512, 401) == 448  # 384 would be refused: the floor, rounded up to 64
+    assert suggest_max_tokens(512, 500) == 500  # rounded up it would not be smaller: the floor itself
+    assert suggest_max_tokens(512, 200) == 384
+    assert suggest_max_tokens(64, 10) == 48  # three quarters, where no multiple of 64 is left
+    assert suggest_max_tokens(500, 500) is None  # nothing smaller holds the longest pair
 
 
 # ---------------------------------------------------------------- out of memory anywhere else

@@ -176,6 +176,26 @@ def test_native_bf16_means_amx_or_avx512_bf16_on_x86(monkeypatch, amx, avx512_bf
     assert cpu_summary()["native_bf16"] is native
 
 
+def test_device_names_resolve_or_fail_in_one_line(monkeypatch):
+    """auto follows CUDA's availability; a name that is no device, CUDA where there is none, and a
+    GPU index past the visible ones each fail in one line that says what to pass instead."""
+    from mtrain.errors import MtrainError
+    from mtrain.hardware import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu") and resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(MtrainError, match=r"^--device gpu0: not a device name; use auto, cpu, cuda or cuda:N$"):
+        resolve_device("gpu0")
+    with pytest.raises(MtrainError, match=r"^--device cuda: CUDA is not available here"):
+        resolve_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("auto") == torch.device("cuda") and resolve_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(MtrainError, match=r"^--device cuda:2: 2 GPU\(s\) are visible here \(cuda:0 to cuda:1\); "
+                                          r"name one of them, or check CUDA_VISIBLE_DEVICES$"):
+        resolve_device("cuda:2")
+
+
 def test_cpu_signature_is_the_first_processors_family_model_and_stepping(tmp_path):
     from mtrain.hardware import cpu_model, cpu_signature, cpuinfo_fields
 
