@@ -215,17 +215,32 @@ class Trainer:
         elif gauge is None:
             tokens, why = probe.CPU_DEFAULT, f"the default on {self.device.type}, where memory does not limit a batch"
         else:
-            tokens, why = self._probe_max_tokens(cfg, gauge), (
+            tokens, why = self._probe_on_every_rank(cfg, gauge), (
                 f"the largest budget whose steps on the longest pairs and on the longest targets fit in "
                 f"{self.device}'s memory with {probe.MARGIN:.0%} left free")
-            tokens = smallest_over_ranks(tokens, self.dist, self.device)  # one budget for every rank
         self.log(f"train.max_tokens=auto: {tokens} ({why})")
         return replace(cfg, train={"max_tokens": tokens})
+
+    def _probe_on_every_rank(self, cfg: Config, gauge: probe.MemoryGauge) -> int:
+        """The probe's budget, the smallest over ranks so that all cut the same batches. Where the
+        probe fails on one rank (not even the longest pair fits), every rank stops with an error,
+        instead of the others waiting for it in the all-reduce."""
+        failure = None
+        try:
+            tokens = self._probe_max_tokens(cfg, gauge)
+        except MtrainError as err:
+            failure, tokens = err, 0
+        if dist_utils.any_rank(failure is not None, self.dist, self.device):
+            raise failure or MtrainError("train.max_tokens=auto: the memory probe failed on another process; "
+                                         "its log says why")
+        return smallest_over_ranks(tokens, self.dist, self.device)
 
     def _probe_max_tokens(self, cfg: Config, gauge: probe.MemoryGauge) -> int:
         """Run the probe on a throw-away model and optimizer like the run's, with the RNG forked,
         so the run itself starts exactly as it would with the budget given by hand."""
         split, t, device = self.train_split, cfg.train, self.device
+        if t.sampling_alpha > 0:  # training cuts its batches from sampled segmentations, longer than the cached ids
+            split = SubwordSampler(split, self.tokenizer, t.sampling_alpha, t.seed, probe.CEILING)(1)
         devices = [cuda_index(device)] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(t.seed)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mtrain import checkpoint
+from mtrain import checkpoint, probe
 from mtrain.cli import app
 from mtrain.config import load_config
 from mtrain.train import train
@@ -116,13 +116,14 @@ MEDIUM = ["model.d_model=512", "model.d_ff=2048", "model.n_heads=8", "model.n_en
 
 def test_max_tokens_auto_keeps_every_update_under_a_memory_cap(tokenized_slice, tmp_path):
     """The process capped at 3 GiB (torch.cuda.set_per_process_memory_fraction, as a job sharing
-    its GPU would be): the probe's budget trains 30 updates of the base model's shape without
-    running out of memory (the allocator refuses to reserve past the cap, so an update that needed
-    more would have failed)."""
+    its GPU would be): the probe sizes its search by the cap, not by the GPU, and its budget trains
+    30 updates of the base model's shape without running out of memory (the allocator refuses to
+    reserve past the cap, so an update that needed more would have failed)."""
     cap = 3 * GiB
     torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory)
     try:
+        assert probe.CudaMemory(torch.device("cuda")).capacity() <= cap
         config = load_config(None, MEDIUM + ["train.max_tokens=auto"])
         assert train(config, tokenized_slice, tmp_path / "run", device="cuda")["step"] == 30
         chosen = checkpoint.load(tmp_path / "run" / "last.pt")["config"]["train"]["max_tokens"]

@@ -209,6 +209,33 @@ def test_auto_picks_the_largest_budget_that_fits_and_says_so(tokenized_slice, mo
     assert "max_tokens probe:" in result.stderr  # each budget tried, with its peak
 
 
+def test_with_subword_sampling_the_probe_measures_the_sampled_segmentation(tokenized_slice, monkeypatch):
+    """train.sampling_alpha cuts training batches from sampled segmentations, which have more pieces
+    than the cached ids (about twice as many at alpha 0.1): the probe's batches are cut from the first
+    epoch's sampled segmentation, the one training starts with, so that its longer pairs are measured."""
+    import numpy as np
+
+    from mtrain import trainer
+    from mtrain.data import SubwordSampler, TokenizedData
+
+    data = TokenizedData(tokenized_slice)
+    split = data.split("train")
+    sampled = SubwordSampler(split, data.tokenizer, 0.1, 1, probe.CEILING)(1)
+    widest = lambda s: int(np.maximum(s.src.lengths, s.tgt.lengths).max()) + 1  # noqa: E731
+    assert widest(sampled) > widest(split)
+    FakeDevice(capacity=800 * MiB).patch(monkeypatch)
+    original, seen = trainer.forward_backward, []
+
+    def forward_backward(objective, micro, *args, **kwargs):
+        seen.extend(max(src.shape[1], tgt_in.shape[1]) for src, tgt_in, _ in micro)
+        return original(objective, micro, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "forward_backward", forward_backward)
+    result = train_cli(tokenized_slice, None, "train.max_tokens=auto", "train.sampling_alpha=0.1", "train.seed=1")
+    assert result.exit_code == 0, result.output
+    assert max(seen) == widest(sampled)  # the longest sampled pair (with EOS), not the longest cached one
+
+
 def test_auto_keeps_the_batch_with_the_most_target_tokens_under_the_limit(tokenized_slice, monkeypatch):
     """Where memory follows the real target tokens (the output layer and the loss at a large
     vocabulary), the longest pairs are not the most demanding batch: a long source pads a batch that
@@ -238,8 +265,9 @@ def test_auto_keeps_the_batch_with_the_most_target_tokens_under_the_limit(tokeni
 
 
 def test_auto_run_starts_as_one_given_its_budget_and_resumes_with_it(tokenized_slice, tmp_path, monkeypatch):
-    """The probe forks the RNG and uses a throw-away model: a run with auto trains bit-identically
-    to one given the chosen number. Resuming keeps the stored budget, whatever the device now says."""
+    """The probe trains a throw-away model and leaves the RNGs as it found them (it forks them, and
+    the run seeds them again when it builds its model): a run with auto trains bit-identically to
+    one given the chosen number. Resuming keeps the stored budget, whatever the device now says."""
     device = FakeDevice(capacity=800 * MiB)
     device.patch(monkeypatch)
     auto = train_cli(tokenized_slice, tmp_path / "auto", "train.max_tokens=auto", "train.max_steps=3")
@@ -255,6 +283,40 @@ def test_auto_run_starts_as_one_given_its_budget_and_resumes_with_it(tokenized_s
     assert again.exit_code == 0, again.output
     assert f"train.max_tokens=auto: {chosen} (the value {tmp_path / 'auto' / 'last.pt'} was trained with)" in again.stderr
     assert "max_tokens probe:" not in again.stderr
+
+
+@pytest.mark.parametrize("here,elsewhere", [(False, False), (False, True), (True, False)])
+def test_a_probe_that_fails_on_one_process_stops_every_process(monkeypatch, here, elsewhere):
+    """With several processes each probes its own GPU, then they take the smallest budget in an
+    all-reduce. A probe that fails on one process (not even the longest pair fits) must stop the
+    others too, not leave them waiting in that all-reduce: every process first says whether its
+    probe failed, and all stop if any did."""
+    import types
+
+    from mtrain import trainer
+
+    said: list[bool] = []
+    too_small = MtrainError("train.max_tokens=auto: even 90 tokens (injected)")
+
+    def any_rank(flag, info, device):
+        said.append(flag)
+        return flag or elsewhere
+
+    def probe_here(cfg, gauge):
+        if here:
+            raise too_small
+        return 4096
+
+    monkeypatch.setattr(trainer.dist_utils, "any_rank", any_rank)
+    monkeypatch.setattr(trainer, "smallest_over_ranks", lambda tokens, dist, device: tokens - 64)  # another rank's
+    fake = types.SimpleNamespace(dist=None, device=torch.device("cpu"), _probe_max_tokens=probe_here)
+    if not (here or elsewhere):
+        assert trainer.Trainer._probe_on_every_rank(fake, None, None) == 4032
+    else:
+        with pytest.raises(MtrainError) as caught:
+            trainer.Trainer._probe_on_every_rank(fake, None, None)
+        assert caught.value is too_small if here else "failed on another process" in str(caught.value)
+    assert said == [here]
 
 
 def test_auto_survives_running_out_of_memory_inside_adams_first_step(tokenized_slice, monkeypatch):
