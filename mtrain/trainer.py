@@ -193,7 +193,9 @@ class Trainer:
         objective: nn.Module = Objective(self.model, t.label_smoothing, t.rdrop_alpha)
         if self.dist.enabled:
             ids = [self.device.index] if self.device.type == "cuda" else None
-            objective = nn.parallel.DistributedDataParallel(objective, device_ids=ids)
+            # No buffer broadcast: the one buffer, the sinusoid table, is the same function on every rank,
+            # and rank 0's validation can grow it (inside inference mode) past the other ranks' size.
+            objective = nn.parallel.DistributedDataParallel(objective, device_ids=ids, broadcast_buffers=False)
         if t.compile:  # after DDP, so compiled graphs see its bucketing hooks
             objective = torch.compile(objective, dynamic=True)
         self.objective = objective

@@ -54,6 +54,34 @@ def test_two_process_gloo_matches_one_process(copy_data, tmp_path):  # noqa: F81
         torch.testing.assert_close(w1[key], w2[key], rtol=1e-4, atol=1e-5)
 
 
+# A 2-position sinusoid table, and validations after updates 2 and 4 whose greedy outputs may run to
+# 100 tokens: the table grows during training, and again on rank 0 alone, in inference mode.
+LONG_VALIDATION = ["model.max_len=2", "train.eval_every=2", "decode.max_len_b=100"]
+
+
+def _worker_long_validation(rank: int, port: int, data_dir: str, run_dir: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from mtrain.train import train
+
+    train(load_config(None, ARGS + LONG_VALIDATION + ["train.update_freq=1"]), data_dir, run_dir, device="cpu")
+
+
+@pytest.mark.slow  # a 2-process gloo job and one process, ~20 s on 2 cores
+def test_a_validation_that_grows_the_position_table_on_rank_0_does_not_stop_training(copy_data, tmp_path):  # noqa: F811
+    """Only rank 0 validates, and a translation longer than the sinusoid table grows the table
+    there. Training goes on, on both ranks, to the same result as one process."""
+    from mtrain.train import train
+
+    mp.spawn(_worker_long_validation, args=(_free_port(), str(copy_data), str(tmp_path / "two")), nprocs=2, join=True)
+    train(load_config(None, ARGS + LONG_VALIDATION + ["train.update_freq=2"]), copy_data, tmp_path / "one", device="cpu")
+    one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert [s for s, _ in two] == [1, 2, 3, 4]
+    for (_, a), (_, b) in zip(one, two):
+        assert a == pytest.approx(b, abs=1e-5)
+
+
 @pytest.mark.parametrize("device,backend", [("cpu", "gloo"), ("cuda", "nccl")])
 def test_process_group_waits_longer_than_a_validation_on_rank_0(monkeypatch, device, backend):
     """The other ranks wait at a collective while rank 0 validates, averages and saves: the group
