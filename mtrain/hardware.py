@@ -101,8 +101,8 @@ def resolve_device(device: str) -> torch.device:
         raise MtrainError(f"--device {device}: not a device name; use auto, cpu, cuda or cuda:N") from None
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise MtrainError(f"--device {device}: CUDA is not available here; use --device cpu (or auto)")
-    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
-        count = torch.cuda.device_count()
+    count = torch.cuda.device_count() if resolved.type == "cuda" else 0
+    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= count:
         raise MtrainError(f"--device {device}: {count} GPU(s) are visible here (cuda:0 to cuda:{count - 1}); "
                           "name one of them, or check CUDA_VISIBLE_DEVICES")
     return resolved

@@ -108,6 +108,12 @@ def forget_half_made_state(optimizer: torch.optim.Optimizer) -> None:
         del optimizer.state[param]
 
 
+def forked_rng(device: torch.device) -> Any:
+    """torch's generators forked: the CPU's and, on a GPU, that GPU's (plain "cuda" included), so
+    that what runs inside leaves the run's random stream as it was."""
+    return torch.random.fork_rng(devices=[cuda_index(device)] if device.type == "cuda" else [])
+
+
 def autocast(device: torch.device, dtype: torch.dtype | None) -> Any:
     """A fresh autocast context for dtype (None: float32, no autocast)."""
     if dtype is None:
@@ -243,8 +249,7 @@ class Trainer:
         split, t, device = self.train_split, cfg.train, self.device
         if t.sampling_alpha > 0:  # training cuts its batches from sampled segmentations, longer than the cached ids
             split = SubwordSampler(split, self.tokenizer, t.sampling_alpha, t.seed, probe.CEILING)(1)
-        devices = [cuda_index(device)] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
+        with forked_rng(device):
             torch.manual_seed(t.seed)
             model = Transformer(cfg.model).to(device).train()
             optimizer = new_optimizer(model, t, device)
@@ -437,8 +442,7 @@ class Trainer:
         meets, and greedy search's row count falls as sentences finish) and scored other translations
         than `translate` would. The RNG is forked so dropout after validation is what it would be
         without it."""
-        devices = [cuda_index(self.device)] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
+        with forked_rng(self.device):
             self.model.eval()
             try:
                 loss, nll = self._valid_loss()

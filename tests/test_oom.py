@@ -392,6 +392,22 @@ def test_auto_on_a_cpu_is_the_default_budget(tokenized_slice):
 
 # ---------------------------------------------------------------- out of memory mid-run
 
+def oom_at_update(monkeypatch, n: int, error: BaseException | None = None) -> list:
+    """Update n of the next run runs out of memory (injected: `error`, else PyTorch's own error).
+    Returns the micro-batches each update was given, as they come."""
+    from mtrain import trainer
+
+    original, calls = trainer.forward_backward, []
+
+    def forward_backward(objective, micro, *args, **kwargs):
+        calls.append(micro)
+        if len(calls) == n:
+            raise error or torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (injected)")
+        return original(objective, micro, *args, **kwargs)
+    monkeypatch.setattr(trainer, "forward_backward", forward_backward)
+    return calls
+
+
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)"),
                                    RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")],
                          ids=["OutOfMemoryError", "cublas-alloc"])
@@ -400,22 +416,12 @@ def test_out_of_memory_mid_run_is_one_line_and_the_run_resumes(tokenized_slice, 
     library's failed allocation). The run stops with one line: the step, the batch's shape, a smaller
     max_tokens; last.pt (saved at update 4) is untouched; the same command on a device with room then
     ends bit-identical to a run never stopped."""
-    from mtrain import trainer
-
     sets = ["train.max_tokens=512", "train.max_steps=8", "train.save_every=2"]
     whole = train_cli(tokenized_slice, tmp_path / "whole", *sets)
     assert whole.exit_code == 0, whole.output
-    original, calls = trainer.forward_backward, []
-
-    def forward_backward(objective, micro, *args, **kwargs):
-        calls.append(micro)
-        if len(calls) == 5:
-            raise error
-        return original(objective, micro, *args, **kwargs)
-
     out = tmp_path / "cut"
     with monkeypatch.context() as patch:
-        patch.setattr(trainer, "forward_backward", forward_backward)
+        calls = oom_at_update(patch, 5, error)
         cut = train_cli(tokenized_slice, out, *sets)
     assert cut.exit_code == 1
     assert "Traceback" not in cut.output
@@ -481,20 +487,6 @@ def test_out_of_memory_copying_a_batch_to_the_device_is_the_same_line(tokenized_
         f"step 3: out of cpu memory in a batch of {src.shape[0]} x {src.shape[1]} source / {tgt.shape[0]} x "
         f"{tgt.shape[1]} target tokens (train.max_tokens=512); {tmp_path / 'run' / 'last.pt'} is intact, and "
         "re-running the same command with --set train.max_tokens=384 resumes from it")
-
-
-def oom_at_update(monkeypatch, n: int) -> None:
-    """Update n of the next run runs out of memory (injected)."""
-    from mtrain import trainer
-
-    original, calls = trainer.forward_backward, []
-
-    def forward_backward(objective, micro, *args, **kwargs):
-        calls.append(micro)
-        if len(calls) == n:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (injected)")
-        return original(objective, micro, *args, **kwargs)
-    monkeypatch.setattr(trainer, "forward_backward", forward_backward)
 
 
 def test_the_suggested_budget_resumes_the_run_to_its_end(tokenized_slice, tmp_path, monkeypatch):
