@@ -31,9 +31,10 @@ def linears(module: nn.Module) -> list[str]:
 
 
 def test_every_linear_layer_and_only_those_become_int8():
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear  # FullRangeLinear's base too
+
     float_model, int8_model = model(), quantize_int8(model())
-    quantized = [name for name, m in int8_model.named_modules() if "Quantized" in type(m).__name__
-                 or "FullRange" in type(m).__name__]
+    quantized = [name for name, m in int8_model.named_modules() if isinstance(m, DynamicInt8Linear)]
     assert linears(int8_model) == [] and sorted(quantized) == sorted(linears(float_model))
     assert "proj" in quantized  # the tied output projection: the largest matmul of a decoding step
     # Embeddings and layer norms stay float32 and untouched (the projection got its own int8 copy).
@@ -47,6 +48,9 @@ def test_int8_logits_stay_close_to_float32(monkeypatch, full_range):
     # 8-bit weights (one scale per output row) and 8- or 7-bit activations: each product carries a
     # rounding error of about 1/254 (1/127) of its operands' ranges, so the logits move by a few
     # percent of their spread at most; a wrong scale, a transposed weight or a lost bias moves them by 100%.
+    if full_range and not quantize._full_range():
+        pytest.skip("without VNNI, 8-bit activations saturate the 16-bit sums of u8 x s8 products (a relative "
+                    "error of 0.29 on an AVX2-only CPU), which is why mtrain uses them only with VNNI")
     monkeypatch.setattr(quantize, "_full_range", lambda: full_range)
     src = torch.randint(4, CFG.vocab_size, (6, 9))
     tgt = torch.randint(4, CFG.vocab_size, (6, 7))
