@@ -43,6 +43,14 @@ def cpu_has_native_bf16() -> bool:
     return cpu_bf16_isa() is not None
 
 
+def cpu_has_vnni() -> bool:
+    """Whether this CPU has AVX-512 VNNI, whose int8 dot products add u8 x s8 products into 32 bits.
+    Without it (AVX2), pairs of products are added in 16 bits first, which saturate at full 8-bit
+    range (mtrain.quantize, mtrain.export.runtime.int8_saturates)."""
+    check = getattr(torch.cpu, "_is_vnni_supported", None)
+    return bool(callable(check) and check())
+
+
 def cpuinfo_fields(path: str = "/proc/cpuinfo") -> dict[str, str]:
     """Each key of /proc/cpuinfo with its first value (the first processor's); empty where the
     file is missing (not Linux)."""

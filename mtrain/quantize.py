@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from mtrain.errors import MtrainError
+from mtrain.hardware import cpu_has_vnni
 from mtrain.kernels import onednn_linear_runs
 
 QUANTIZE_MODES = ("off", "int8")
@@ -71,8 +72,7 @@ def _full_range() -> bool:
     """Whether activations may use all 8 bits. PyTorch quantizes them to 7 (reduce_range) because
     AVX2's u8 x s8 multiply-add saturates a 16-bit sum of two products; VNNI's adds into 32 bits,
     so on CPUs with it the eighth bit is free precision."""
-    check = getattr(getattr(torch, "cpu", None), "_is_vnni_supported", None)
-    return bool(callable(check) and check())
+    return cpu_has_vnni()
 
 
 @functools.cache

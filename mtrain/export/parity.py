@@ -19,6 +19,7 @@ from torch import Tensor
 
 from mtrain.config import DecodeConfig
 from mtrain.data import collate
+from mtrain.export.runtime import SATURATION_NOTE, int8_saturates, is_int8
 from mtrain.model import Transformer
 from mtrain.score import encode_pairs, pairs_split
 from mtrain.tokenizer import Tokenizer
@@ -96,6 +97,8 @@ def report(model: Transformer, tokenizer: Tokenizer, exported: Any, check: Check
         "bleu_mtrain": round(bleu_mtrain, 2), "bleu_export": round(bleu_export, 2),
         "bleu_diff": round(bleu_export - bleu_mtrain, 2),
     }
+    if is_int8(quantization) and int8_saturates():  # the numbers above are this CPU's int8 kernels'
+        result["note"] = SATURATION_NOTE
     failure = judge(result, quantization)
     result["passed"] = failure is None
     if failure:
@@ -133,5 +136,7 @@ def format_report(result: dict[str, Any]) -> str:
         f"{result['bleu_export']:.2f}, difference {result['bleu_diff']:+.2f}",
         f"  {'passed' if result['passed'] else 'FAILED: ' + result['failure']}",
     ]
+    if "note" in result:
+        lines.insert(-1, f"  note: {result['note']}")
     return "\n".join(lines)
 

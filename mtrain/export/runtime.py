@@ -5,6 +5,10 @@ per-sentence length limit (a * src_len + b), the same banned tokens. CTranslate2
 from __future__ import annotations
 
 import json
+import os
+import platform
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,9 +18,41 @@ from torch import Tensor
 
 from mtrain.config import DecodeConfig
 from mtrain.errors import MtrainError
+from mtrain.hardware import X86, cpu_has_vnni, cpuinfo_fields
 from mtrain.tokenizer import PAD_ID, Tokenizer
 
 META = "export.json"
+# What int8 costs where its products saturate, measured on an AVX2-only AMD EPYC (Zen 3) with the
+# quickstart model (docs/export.md).
+SATURATION_NOTE = (
+    "CTranslate2 runs int8 on this CPU through oneDNN without VNNI, whose 16-bit sums of 8-bit products "
+    "saturate: on an AVX2-only AMD EPYC it changed 40% of greedy test lines where CT2_USE_MKL=1 changed 8% "
+    "(BLEU -0.07 against -0.01), but ran int8 3x slower there (docs/export.md)")
+
+
+def int8_saturates(env: Mapping[str, str] | None = None, fields: Mapping[str, str] | None = None,
+                   vnni: bool | None = None, machine: str | None = None) -> bool:
+    """Whether CTranslate2's int8 matmuls on this CPU add pairs of u8 x s8 products in 16 bits, which
+    saturate: an x86 CPU without VNNI (VNNI adds them into 32 bits) with CTranslate2 on oneDNN, its
+    int8 backend on every CPU not made by Intel unless CT2_USE_MKL=1 (or true) picks Intel MKL.
+    MKL's kernels do not lose those bits. The arguments stand in for os.environ, /proc/cpuinfo,
+    torch's VNNI check and platform.machine() (tests)."""
+    machine = platform.machine() if machine is None else machine
+    if machine.lower() not in X86:
+        return False
+    if cpu_has_vnni() if vnni is None else vnni:
+        return False
+    env = os.environ if env is None else env
+    choice = env.get("CT2_USE_MKL", "")
+    if choice:  # CTranslate2 reads "1", "true" and "TRUE" as yes, anything else as no
+        return choice not in ("1", "true", "TRUE")
+    fields = cpuinfo_fields() if fields is None else fields
+    return fields.get("vendor_id") != "GenuineIntel"
+
+
+def is_int8(quantization: str | None) -> bool:
+    """Whether a CTranslate2 quantization multiplies in int8 (int8, int8_float32, int8_float16, ...)."""
+    return bool(quantization) and quantization.startswith("int8")
 
 
 def read_meta(folder: Path) -> dict[str, Any]:
@@ -73,6 +109,8 @@ class CTranslate2Model:
         self.tgt_pieces = pieces(self.tokenizer.tgt.model)
         self.tgt_ids = {piece: i for i, piece in enumerate(self.tgt_pieces)}
         self.suppress = [[token] for token in self.meta.get("suppress_tokens", [])]
+        if device.type == "cpu" and is_int8(self.meta.get("quantization")) and int8_saturates():
+            print(f"note: {SATURATION_NOTE}", file=sys.stderr)
 
     def tokens(self, src: Tensor) -> list[list[str]]:
         """Padded (B, S) source ids ending in EOS -> CTranslate2's token strings (it adds `</s>`)."""
