@@ -35,7 +35,7 @@ def int8_saturates(env: Mapping[str, str] | None = None, fields: Mapping[str, st
     """Whether CTranslate2's int8 matmuls on this CPU add pairs of u8 x s8 products in 16 bits, which
     saturate: an x86 CPU without VNNI (VNNI adds them into 32 bits) with CTranslate2 on oneDNN, its
     int8 backend on every CPU not made by Intel unless CT2_USE_MKL=1 (or true) picks Intel MKL.
-    MKL's kernels do not lose those bits. The arguments stand in for os.environ, /proc/cpuinfo,
+    MKL's kernels showed no such loss (docs/export.md). The arguments stand in for os.environ, /proc/cpuinfo,
     torch's VNNI check and platform.machine() (tests)."""
     machine = platform.machine() if machine is None else machine
     if machine.lower() not in X86:
