@@ -114,9 +114,11 @@ def load_for_decoding(paths: str | Path | list[str | Path], device: torch.device
         if decode.quantize != "off":
             raise MtrainError(f"{paths[0]}: an exported folder keeps the quantization it was exported with; "
                               "drop decode.quantize (or re-export with --quantization)")
-        from mtrain.export.runtime import CTranslate2Model
+        from mtrain.export.runtime import SATURATION_NOTE, CTranslate2Model, int8_saturates, is_int8
 
         engine = CTranslate2Model(paths[0], device)
+        if device.type == "cpu" and is_int8(engine.meta.get("quantization")) and int8_saturates():
+            print(f"note: {SATURATION_NOTE}", file=sys.stderr)  # the export's own report says it too
         return engine, engine.tokenizer, {"stats": engine.meta.get("stats") or {}}
     model, tokenizer, ckpt = load_models(paths, device)
     return decoding_model(model, decode, device), tokenizer, ckpt

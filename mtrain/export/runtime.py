@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,8 +108,6 @@ class CTranslate2Model:
         self.tgt_pieces = pieces(self.tokenizer.tgt.model)
         self.tgt_ids = {piece: i for i, piece in enumerate(self.tgt_pieces)}
         self.suppress = [[token] for token in self.meta.get("suppress_tokens", [])]
-        if device.type == "cpu" and is_int8(self.meta.get("quantization")) and int8_saturates():
-            print(f"note: {SATURATION_NOTE}", file=sys.stderr)
 
     def tokens(self, src: Tensor) -> list[list[str]]:
         """Padded (B, S) source ids ending in EOS -> CTranslate2's token strings (it adds `</s>`)."""
