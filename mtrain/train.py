@@ -42,8 +42,19 @@ from mtrain.schedule import cooldown_patience_note
 from mtrain.trainer import Trainer
 
 
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """The most device memory tensors held since the last train record (CUDA's caching allocator
+    counts it; a CPU has no such counter, so its records have no field): the figure to compare with
+    the GPU's memory when choosing train.max_tokens. The counter restarts for the next window."""
+    if device.type != "cuda":
+        return {}
+    peak = torch.cuda.max_memory_allocated(device) / 2 ** 30
+    torch.cuda.reset_peak_memory_stats(device)
+    return {"peak_memory_gib": round(peak, 3)}
+
 
 # ---------------------------------------------------------------- signals
+
 
 class StopSignal:
     """SIGINT/SIGTERM set a flag that the loop checks after each update, so the step in flight
@@ -183,7 +194,8 @@ class Run:
                      "loss": w["loss"] / max(1, w["tokens"]), "nll": nll, "ppl": math.exp(min(nll, 50.0)),
                      "lr": stats["lr"], "grad_norm": stats["grad_norm"], "tokens_per_s": w["tokens"] / max(w["seconds"], 1e-9),
                      "nonfinite": self.tr.state.nonfinite_total,
-                     "elapsed_s": round(time.perf_counter() - self.started, 1)})  # since this process started
+                     "elapsed_s": round(time.perf_counter() - self.started, 1),  # since this process started
+                     **peak_memory(self.tr.device)})
         self.tr.state.window = empty_window()
 
     def validate(self) -> bool:

@@ -53,7 +53,7 @@ def test_batches_come_from_pinned_memory_and_a_stopped_run_resumes(tokenized_sli
     """Every micro-batch reaches the GPU from page-locked memory (the prefetch thread pins it, so
     the copy does not block). A run stopped by SIGINT after update 6 and resumed takes the same
     batches and logs the same losses as one never stopped, to rounding: GPU kernels are not
-    guaranteed to add in the same order twice."""
+    guaranteed to add in the same order twice. Each train record carries the window's peak memory."""
     import mtrain.trainer
 
     pinned, original = [], mtrain.trainer.to_device
@@ -70,6 +70,9 @@ def test_batches_come_from_pinned_memory_and_a_stopped_run_resumes(tokenized_sli
     assert run(tokenized_slice, cut)["stopped"] == "interrupted"
     stop_at_step(None)
     assert run(tokenized_slice, cut)["step"] == 10
+    records = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
+    peaks = [r["peak_memory_gib"] for r in records if r.get("event") == "train"]
+    assert len(peaks) == 10 and all(0 < p < torch.cuda.get_device_properties(0).total_memory / GiB for p in peaks)
     a, b = losses(whole), losses(cut)
     assert sorted(a) == sorted(b) == list(range(1, 11))
     assert [b[s] for s in a] == pytest.approx([a[s] for s in a], rel=1e-3)

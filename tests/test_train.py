@@ -141,12 +141,14 @@ def test_tokens_per_s_of_a_window_spanning_a_restart():
     for restored, expected in (({"loss": 2.0, "nll": 1.0, "tokens": 100, "steps": 1, "seconds": 0.5}, 200.0),
                                ({"loss": 2.0, "nll": 1.0, "tokens": 100, "steps": 1}, 400.0)):
         state = TrainState.from_saved({"step": 2, "window": dict(restored)})  # as resume loads it
-        trainer = SimpleNamespace(state=state, tcfg=SimpleNamespace(log_every=2), stream=SimpleNamespace(epoch=1))
+        trainer = SimpleNamespace(state=state, tcfg=SimpleNamespace(log_every=2), stream=SimpleNamespace(epoch=1),
+                                  device=torch.device("cpu"))
         loop, events = Run(trainer), []
         loop.record = events.append
         loop.log_window({"loss": 2.0, "nll": 1.0, "tokens": 100, "lr": 1e-3, "grad_norm": 1.0}, seconds=0.5)
         assert events[0]["tokens_per_s"] == pytest.approx(expected)
         assert events[0]["loss"] == pytest.approx(4.0 / 200) and state.window["tokens"] == 0
+        assert "peak_memory_gib" not in events[0]  # CUDA's allocator alone counts a peak
 
 
 def test_resume_with_other_model_config_fails(copy_data, tmp_path):
