@@ -11,6 +11,11 @@
 #   OUT/gpu_step.json   benchmarks/gpu_step.py at the paper's base shape: target tokens/s and peak
 #                       memory by token budget, mtrain against torch.nn.Transformer in the same
 #                       precision, and the budget train.max_tokens=auto picks on this GPU
+#   OUT/train_base.jsonl  `mtrain train` itself at the base shape (configs/transformer-base.yaml) on
+#                       Multi30k de-en: 200 updates at train.max_tokens=25000 (the paper's batch),
+#                       then 200 at train.max_tokens=auto; its train records (tokens_per_s over the
+#                       updates, peak_memory_gib), each tagged with the budget it ran at
+#   OUT/train_base.log  those runs' stderr: the probe's measurements, the precision, the budget
 # It runs the python on PATH as it is (its torch must be a CUDA build, with mtrain's dependencies; a
 # checkout that is not installed is imported from here). The tests that train read Multi30k from
 # data/multi30k (scripts/multi30k_data.sh fills it) and skip without it. Exit status 1 if a step failed.
@@ -31,7 +36,28 @@ PY
 nvidia-smi >> "$OUT/gpu.txt" 2>&1 || true
 head -n 1 "$OUT/gpu.txt"
 rc=0
-python -m pytest -q -m gpu 2>&1 | tee "$OUT/pytest-gpu.txt" || rc=1
+python -m pytest -q -rs -m gpu 2>&1 | tee "$OUT/pytest-gpu.txt" || rc=1
 python benchmarks/gpu_step.py --json > "$OUT/gpu_step.json" || rc=1
+if [ -f data/multi30k/train.de ]; then
+    TOK=$(mktemp -d)  # a vocabulary of the de-en recipe's size (8k joint), made here and left in /tmp
+    python -m mtrain tokenize --config configs/multi30k-de-en.yaml --data data/multi30k --src de --tgt en \
+        --out "$TOK" > "$OUT/train_base.log" 2>&1 || rc=1
+    : > "$OUT/train_base.jsonl"
+    for budget in 25000 auto; do
+        python -m mtrain train --config configs/transformer-base.yaml --data "$TOK" --out "$TOK/run-$budget" \
+            --device cuda --set train.max_tokens=$budget --set train.max_steps=200 --set train.log_every=50 \
+            --set train.eval_every=100000 --set train.save_every=100000 >> "$OUT/train_base.log" 2>&1 || rc=1
+        python - "$TOK/run-$budget/metrics.jsonl" "$budget" >> "$OUT/train_base.jsonl" <<'PY' || rc=1
+import json, sys
+for line in open(sys.argv[1]):
+    record = json.loads(line)
+    if record.get("event") == "train":
+        print(json.dumps({"max_tokens": sys.argv[2], **record}))
+PY
+        tail -n 1 "$OUT/train_base.jsonl" >&2
+    done
+else
+    echo "no data/multi30k (scripts/multi30k_data.sh fills it): mtrain train's own base-shape runs skipped" >&2
+fi
 echo "results in $OUT/" >&2
 exit $rc
