@@ -74,6 +74,15 @@ def bfloat16_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dro
     return weights @ v
 
 
+def split_heads(y: Tensor, parts: int, n_heads: int) -> tuple[Tensor, ...]:
+    """(B, T, parts * D), a fused projection's output -> `parts` views of shape (B, H, T, d_head),
+    no copy. Unbinding the parts axis before the heads move puts the backward's stack of their
+    gradients straight into (B, T, parts, H, d_head), the projection's own layout; unbinding after
+    the permute stacked them as (parts, B, H, T, d_head) and then copied that a second time."""
+    B, T, _ = y.shape
+    return tuple(t.transpose(1, 2) for t in y.view(B, T, parts, n_heads, -1).unbind(2))
+
+
 class SelfAttention(nn.Module):
     """Multi-head self-attention with one fused Q/K/V projection (one matmul instead of three)."""
 
@@ -88,8 +97,7 @@ class SelfAttention(nn.Module):
                 cache: LayerCache | None = None, dropout: float = 0.0) -> Tensor:
         """dropout: the residual dropout on the output (paper 5.4), applied in W^O (dropout_linear)."""
         B, T, D = x.shape
-        # (B, T, 3, H, d_head) -> three (B, H, T, d_head) views, no copy
-        q, k, v = linear(self.qkv, x, self.training).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
+        q, k, v = split_heads(linear(self.qkv, x, self.training), 3, self.n_heads)
         if cache is not None:
             q, k, v, mask = cache.self_attention(q, k, v, mask)
         p = self.attention_dropout if self.training else 0.0
@@ -109,8 +117,7 @@ class CrossAttention(nn.Module):
         self.out = nn.Linear(d_model, d_model)  # W^O
 
     def memory_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
-        B, S, D = memory.shape
-        k, v = linear(self.kv, memory, self.training).view(B, S, 2, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
+        k, v = split_heads(linear(self.kv, memory, self.training), 2, self.n_heads)
         return k, v  # each (B, H, S, d_head)
 
     def forward(self, x: Tensor, memory: Tensor, mask: Tensor, cache: LayerCache | None = None,

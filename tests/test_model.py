@@ -444,3 +444,26 @@ def test_cpu_dropout_drops_p_of_every_position_and_keeps_the_mean():
     y.sum().backward()  # the gradient goes through the same mask
     assert torch.equal(x.grad, y.detach())
     assert torch.equal(Dropout(0.1).eval()(x), x)
+
+
+def test_split_heads_gives_views_and_a_backward_in_the_projections_layout():
+    """Q, K and V are views of the fused projection's output, head h of part i reading columns
+    i * D + h * d_head onwards; their gradients land back in those columns, stacked by the
+    backward without a second copy (no clone)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from mtrain.model import split_heads
+
+    B, T, H, d_head = 2, 5, 2, 4
+    y = torch.randn(B, T, 3 * H * d_head, requires_grad=True)
+    parts = split_heads(y, 3, H)
+    for i, part in enumerate(parts):
+        assert part.shape == (B, H, T, d_head) and part.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+        for h in range(H):
+            start = (i * H + h) * d_head
+            assert torch.equal(part[:, h], y[:, :, start:start + d_head])
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        sum((i + 1) * part for i, part in enumerate(parts)).sum().backward()
+    expected = torch.cat([torch.full((B, T, H * d_head), float(i + 1)) for i in range(3)], dim=-1)
+    assert torch.equal(y.grad, expected)
+    assert not [e.name for e in prof.events() if e.name == "aten::clone"]
