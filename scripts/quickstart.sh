@@ -8,13 +8,8 @@ cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/quickstart}
 TOK=${TOK:-data/multi30k-tok}
 
-if [ -z "${VIRTUAL_ENV:-}" ]; then
-    [ -d .venv ] || python3 -m venv .venv
-    . .venv/bin/activate
-fi
-# Keep a torch that is already installed (e.g. your CUDA build); otherwise the CPU 2.13 build.
-python -c "import torch" 2>/dev/null || python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
-python -m pip install -q -e .
+# A virtualenv or conda env with torch already (e.g. your CUDA build), else .venv with the CPU build.
+. scripts/setup_env.sh
 
 # The corpus: a local copy (filled from a shared folder beside the checkout) or Hugging Face.
 . scripts/multi30k_data.sh

@@ -47,9 +47,7 @@ if [ -n "${DRY_RUN:-}" ]; then
     echo "3. tokenize -> $DISTILL/tok; 4. train -> $DISTILL/student; 5. export int8 -> $DISTILL/student-ct2-int8; report -> $DISTILL/results.json"
     exit 0
 fi
-[ -n "${VIRTUAL_ENV:-}" ] || { [ -d .venv ] || python3 -m venv .venv; . .venv/bin/activate; }
-python -c "import torch" 2>/dev/null || python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
-python -m pip install -q -e '.[export]'
+. scripts/setup_env.sh '[export]'
 . scripts/multi30k_data.sh
 mkdir -p "$DISTILL/corpus"
 

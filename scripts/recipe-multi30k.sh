@@ -54,21 +54,22 @@ if [ -n "${DRY_RUN:-}" ]; then
     echo "direction=$DIR text=$MULTI30K_TEXT config=$CONFIG tok=$TOK run=$RUN${ENSEMBLE_WITH:+ ensemble_with=$ENSEMBLE_WITH}"; exit 0
 fi
 
-if [ -z "${VIRTUAL_ENV:-}" ]; then
-    [ -d .venv ] || python3 -m venv .venv
-    . .venv/bin/activate
-fi
-# Keep a torch that is already installed (e.g. your CUDA build); otherwise the CPU 2.13 build.
-python -c "import torch" 2>/dev/null || python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
-python -m pip install -q -e .
+# A virtualenv or conda env with torch already (e.g. your CUDA build), else .venv with the CPU build.
+. scripts/setup_env.sh
 # sacremoses (Moses tokenizer in Python) for the lowercased tokenized BLEU; pinned in benchmarks/requirements.txt.
-python -c "import sacremoses" 2>/dev/null || python -m pip install -q "$(grep -E '^sacremoses' benchmarks/requirements.txt | cut -d'#' -f1 | xargs)"
+# Without it (and no package index to fetch it from) only that score is skipped.
+python -c "import sacremoses" 2>/dev/null || python -m pip install -q --retries 1 --timeout 15 \
+    "$(grep -E '^sacremoses' benchmarks/requirements.txt | cut -d'#' -f1 | xargs)" || true
 
 # The corpus: a local copy (filled from a shared folder beside the checkout) or Hugging Face.
 . scripts/multi30k_data.sh
 # The Moses-tokenized, lowercased references of the Multi30k repo (the papers' BLEU); optional.
 . scripts/tok_bleu.sh
 TOKREF=$(find_tokref test2016 $TGT)
+if [ -n "$TOKREF" ] && [ "$MULTI30K_TEXT" = raw ] && ! python -c "import sacremoses" 2>/dev/null; then
+    echo "note: sacremoses is not installed here, so the lowercased tokenized BLEU is skipped (pip install sacremoses)" >&2
+    TOKREF=""
+fi
 
 [ -f "$TOK/meta.json" ] || mtrain tokenize --config "$CONFIG" "${source_args[@]}" --src $SRC --tgt $TGT --out "$TOK"
 USED=$(python scripts/recipe_report.py --run "$RUN" --elapsed)
