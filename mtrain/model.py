@@ -79,8 +79,8 @@ def split_heads(y: Tensor, parts: int, n_heads: int) -> tuple[Tensor, ...]:
     no copy. Unbinding the parts axis before the heads move puts the backward's stack of their
     gradients straight into (B, T, parts, H, d_head), the projection's own layout; unbinding after
     the permute stacked them as (parts, B, H, T, d_head) and then copied that a second time."""
-    B, T, _ = y.shape
-    return tuple(t.transpose(1, 2) for t in y.view(B, T, parts, n_heads, -1).unbind(2))
+    B, T, width = y.shape
+    return tuple(t.transpose(1, 2) for t in y.view(B, T, parts, n_heads, width // (parts * n_heads)).unbind(2))
 
 
 class SelfAttention(nn.Module):

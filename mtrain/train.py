@@ -43,9 +43,10 @@ from mtrain.trainer import Trainer
 
 
 def peak_memory(device: torch.device) -> dict[str, float]:
-    """The most device memory tensors held since the last train record (CUDA's caching allocator
-    counts it; a CPU has no such counter, so its records have no field): the figure to compare with
-    the GPU's memory when choosing train.max_tokens. The counter restarts for the next window."""
+    """The most device memory tensors held since the last train record, validation included (CUDA's
+    caching allocator counts it; a CPU has no such counter, so its records have no field): the
+    figure to compare with the GPU's memory when choosing train.max_tokens. The counter restarts
+    for the next window. Under DDP the record is rank 0's."""
     if device.type != "cuda":
         return {}
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30

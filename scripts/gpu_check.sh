@@ -13,8 +13,9 @@
 #                       precision, and the budget train.max_tokens=auto picks on this GPU
 #   OUT/train_base.jsonl  `mtrain train` itself at the base shape (configs/transformer-base.yaml) on
 #                       Multi30k de-en: 200 updates at train.max_tokens=25000 (the paper's batch),
-#                       then 200 at train.max_tokens=auto; its train records (tokens_per_s over the
-#                       updates, peak_memory_gib), each tagged with the budget it ran at
+#                       then 200 at train.max_tokens=auto, validating only after the last; their train
+#                       records (tokens_per_s over the updates, peak_memory_gib), each tagged with
+#                       the budget it ran at
 #   OUT/train_base.log  those runs' stderr: the probe's measurements, the precision, the budget
 # It runs the python on PATH as it is (its torch must be a CUDA build, with mtrain's dependencies; a
 # checkout that is not installed is imported from here). The tests that train read Multi30k from
@@ -39,7 +40,8 @@ rc=0
 python -m pytest -q -rs -m gpu 2>&1 | tee "$OUT/pytest-gpu.txt" || rc=1
 python benchmarks/gpu_step.py --json > "$OUT/gpu_step.json" || rc=1
 if [ -f data/multi30k/train.de ]; then
-    TOK=$(mktemp -d)  # a vocabulary of the de-en recipe's size (8k joint), made here and left in /tmp
+    TOK=$(mktemp -d)  # the de-en recipe's 8k joint vocabulary and the two runs (checkpoints with Adam's moments)
+    trap 'rm -rf "$TOK"' EXIT
     python -m mtrain tokenize --config configs/multi30k-de-en.yaml --data data/multi30k --src de --tgt en \
         --out "$TOK" > "$OUT/train_base.log" 2>&1 || rc=1
     : > "$OUT/train_base.jsonl"
@@ -49,8 +51,8 @@ if [ -f data/multi30k/train.de ]; then
             --set train.eval_every=100000 --set train.save_every=100000 >> "$OUT/train_base.log" 2>&1 || rc=1
         python - "$TOK/run-$budget/metrics.jsonl" "$budget" >> "$OUT/train_base.jsonl" <<'PY' || rc=1
 import json, sys
-for line in open(sys.argv[1]):
-    record = json.loads(line)
+from mtrain.plot import read_metrics  # skips a torn last line (a run killed mid-write)
+for record in read_metrics(sys.argv[1]):
     if record.get("event") == "train":
         print(json.dumps({"max_tokens": sys.argv[2], **record}))
 PY

@@ -9,7 +9,7 @@ RUN=${RUN:-runs/quickstart}
 TOK=${TOK:-data/multi30k-tok}
 
 # A virtualenv or conda env with torch already (e.g. your CUDA build), else .venv with the CPU build.
-. scripts/setup_env.sh
+. scripts/setup_env.sh ''
 
 # The corpus: a local copy (filled from a shared folder beside the checkout) or Hugging Face.
 . scripts/multi30k_data.sh

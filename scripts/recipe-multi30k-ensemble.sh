@@ -26,7 +26,7 @@ fi
 unset MULTI30K_TEXT RUN ENSEMBLE_WITH
 
 RUN=$RUN_A scripts/recipe-multi30k.sh en-de "$@"
-. scripts/setup_env.sh  # the environment the first recipe run chose
+. scripts/setup_env.sh --activate  # the environment the first recipe run chose
 USED_A=$(python scripts/recipe_report.py --run "$RUN_A" --elapsed)
 LEFT_B=$(awk -v h="$TOTAL_HOURS" -v used="$USED_A" 'BEGIN { printf "%d", h * 3600 - used }')  # seconds
 if [ "$LEFT_B" -lt 300 ]; then

@@ -55,7 +55,7 @@ if [ -n "${DRY_RUN:-}" ]; then
 fi
 
 # A virtualenv or conda env with torch already (e.g. your CUDA build), else .venv with the CPU build.
-. scripts/setup_env.sh
+. scripts/setup_env.sh ''
 # sacremoses (Moses tokenizer in Python) for the lowercased tokenized BLEU; pinned in benchmarks/requirements.txt.
 # Without it (and no package index to fetch it from) only that score is skipped.
 python -c "import sacremoses" 2>/dev/null || python -m pip install -q --retries 1 --timeout 15 \
