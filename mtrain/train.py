@@ -56,7 +56,6 @@ def peak_memory(device: torch.device) -> dict[str, float]:
 
 # ---------------------------------------------------------------- signals
 
-
 class StopSignal:
     """SIGINT/SIGTERM set a flag that the loop checks after each update, so the step in flight
     finishes and last.pt is saved; a second signal aborts at once."""

@@ -36,9 +36,13 @@ def run(data, out, *extra: str) -> dict:
     return train(load_config(None, TINY + [steady_precision(), *extra]), data, out, device="cuda")
 
 
-def losses(run_dir) -> dict[int, float]:
+def train_records(run_dir) -> list[dict]:
     records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-    return {r["step"]: r["loss"] for r in records if r.get("event") == "train"}
+    return [r for r in records if r.get("event") == "train"]
+
+
+def losses(run_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in train_records(run_dir)}
 
 
 def test_auto_precision_is_bfloat16_from_compute_capability_8(tokenized_slice):
@@ -70,8 +74,7 @@ def test_batches_come_from_pinned_memory_and_a_stopped_run_resumes(tokenized_sli
     assert run(tokenized_slice, cut)["stopped"] == "interrupted"
     stop_at_step(None)
     assert run(tokenized_slice, cut)["step"] == 10
-    records = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
-    peaks = [r["peak_memory_gib"] for r in records if r.get("event") == "train"]
+    peaks = [r["peak_memory_gib"] for r in train_records(whole)]
     assert len(peaks) == 10 and all(0 < p < torch.cuda.get_device_properties(0).total_memory / GiB for p in peaks)
     a, b = losses(whole), losses(cut)
     assert sorted(a) == sorted(b) == list(range(1, 11))
