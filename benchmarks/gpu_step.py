@@ -6,6 +6,7 @@ Then the budget `train.max_tokens=auto` picks here, by mtrain's own probe. What 
 adds to a step is not timed: gradient clipping's norm, the loss's all-reduce and logging.
 
     python benchmarks/gpu_step.py --json                       # the paper's base shape, 32k vocabulary
+    python benchmarks/gpu_step.py --json --compile             # also mtrain under torch.compile (train.compile)
     python benchmarks/gpu_step.py --device cpu --quick         # a check that the script runs (no GPU)
 
 Throughput is real (non-pad) target tokens per second over whole steps (forward, backward, Adam),
@@ -35,6 +36,7 @@ from train_step import LABEL_SMOOTHING, PAD, SHAPES, Batch, TorchTransformer, bu
     mtrain_optimizer, sample_lengths, to_batch
 
 GiB = 2 ** 30
+COMPILED = "mtrain compiled"
 QUICK_SHAPE = ModelConfig(d_model=64, d_ff=128, n_heads=2, n_encoder_layers=1, n_decoder_layers=1,
                           vocab_size=1000, dropout=0.1)
 
@@ -52,9 +54,11 @@ class Step:
         from mtrain.model import Transformer
 
         self.name, self.device, self.amp = name, device, amp
-        if name == "mtrain":
+        if name.startswith("mtrain"):
             model = Transformer(cfg).to(device).train()
             objective = Objective(model, LABEL_SMOOTHING)  # the projection at real positions only, as in training
+            if name == COMPILED:  # as train.compile: one graph for all batch shapes, fewer and fused kernels
+                objective = torch.compile(objective, dynamic=True)
             self.loss: Callable[[Batch], torch.Tensor] = lambda b: objective(*b)[0]
             self.optimizer = mtrain_optimizer(model, device)
         else:
@@ -150,7 +154,7 @@ def auto_budget(cfg: ModelConfig, src: np.ndarray, tgt: np.ndarray, device: torc
         reset_peak(device)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="base")
@@ -161,7 +165,9 @@ def main() -> None:
     parser.add_argument("--no-probe", action="store_true", help="skip train.max_tokens=auto's probe")
     parser.add_argument("--quick", action="store_true", help="a tiny model, one small budget: checks the script runs")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    args = parser.parse_args()
+    parser.add_argument("--compile", action="store_true",
+                        help="also time mtrain under torch.compile (train.compile); its warm-up pass compiles")
+    args = parser.parse_args(argv)
     device = torch.device(args.device)
     cfg = SHAPES[args.shape]
     if args.quick:
@@ -177,11 +183,14 @@ def main() -> None:
         row: dict[str, object] = {"max_tokens": budget,
                                   "padded_tokens_per_batch_max": max(max(b[0].numel(), b[1].numel()) for b in host),
                                   "target_tokens_per_batch": round(float(np.mean([n for _, n in batches])), 1)}
-        for model in ("mtrain", "nn.Transformer"):
+        for model in ("mtrain", "nn.Transformer") + ((COMPILED,) if args.compile else ()):
             row[model] = measure(model, cfg, batches, device, amp, args.rounds)
             log(f"max_tokens {budget}: {model}: {row[model]}")
-        ours, theirs = row["mtrain"]["tok_s"], row["nn.Transformer"]["tok_s"]  # type: ignore[index]
-        row["mtrain_vs_nn_transformer"] = round(ours / theirs, 2) if ours and theirs else None
+        theirs = row["nn.Transformer"]["tok_s"]  # type: ignore[index]
+        for model, key in (("mtrain", "mtrain_vs_nn_transformer"), (COMPILED, "mtrain_compiled_vs_nn_transformer")):
+            if model in row:
+                ours = row[model]["tok_s"]  # type: ignore[index]
+                row[key] = round(ours / theirs, 2) if ours and theirs else None
         rows.append(row)
         del batches
     chosen = None if args.no_probe else auto_budget(cfg, src, tgt, device, amp)
