@@ -11,6 +11,9 @@
 #   OUT/gpu_step.json   benchmarks/gpu_step.py at the paper's base shape: target tokens/s and peak
 #                       memory by token budget, mtrain against torch.nn.Transformer in the same
 #                       precision, and the budget train.max_tokens=auto picks on this GPU
+#   OUT/gpu_step_compile.json  the same at budgets 4096 and 25000 with mtrain under torch.compile
+#                       (train.compile) beside them: whether fused kernels lift the small batches'
+#                       launch-bound steps (a separate run, so a compile failure keeps gpu_step.json)
 #   OUT/train_base.jsonl  `mtrain train` itself at the base shape (configs/transformer-base.yaml) on
 #                       Multi30k de-en: 200 updates at train.max_tokens=25000 (the paper's batch),
 #                       then 200 at train.max_tokens=auto, validating only after the last; their train
@@ -39,6 +42,7 @@ head -n 1 "$OUT/gpu.txt"
 rc=0
 python -m pytest -q -rs -m gpu 2>&1 | tee "$OUT/pytest-gpu.txt" || rc=1
 python benchmarks/gpu_step.py --json > "$OUT/gpu_step.json" || rc=1
+python benchmarks/gpu_step.py --json --compile --no-probe --budgets 4096 25000 > "$OUT/gpu_step_compile.json" || rc=1
 if [ -f data/multi30k/train.de ]; then
     TOK=$(mktemp -d)  # the de-en recipe's 8k joint vocabulary and the two runs (checkpoints with Adam's moments)
     trap 'rm -rf "$TOK"' EXIT
