@@ -154,7 +154,7 @@ def auto_budget(cfg: ModelConfig, src: np.ndarray, tgt: np.ndarray, device: torc
         reset_peak(device)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="base")
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--compile", action="store_true",
                         help="also time mtrain under torch.compile (train.compile); its warm-up pass compiles")
-    args = parser.parse_args(argv)
+    args = parser.parse_args()
     device = torch.device(args.device)
     cfg = SHAPES[args.shape]
     if args.quick:

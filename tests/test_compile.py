@@ -12,11 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from mtrain import checkpoint
 from mtrain.config import ModelConfig
+from mtrain.data import Ragged, Split, collate, to_ragged_arrays
 from mtrain.loss import Objective
 from mtrain.model import Transformer
 from test_train import copy_data, run  # noqa: F401 (copy_data: a fixture, the copy task's tokenized data)
@@ -25,19 +27,14 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                                  reason="torch.compile on a CPU needs a C++ compiler")]
-PAD, BOS, EOS = 0, 2, 3
 
 
-def batch(B: int, S: int, T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random ids with ragged lengths: pads at the ends of some rows on both sides."""
-    g = torch.Generator().manual_seed(seed)
-    src = torch.randint(4, 50, (B, S), generator=g)
-    tgt = torch.randint(4, 50, (B, T + 1), generator=g)
-    tgt[:, 0] = BOS
-    for row in range(1, B):
-        src[row, S - row % S:] = PAD
-        tgt[row, T + 1 - row % T:] = PAD
-    return src, tgt[:, :-1], tgt[:, 1:].masked_fill(tgt[:, 1:] == BOS, EOS)
+def batch(lengths: list[tuple[int, int]], seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random ids at these (source, target) lengths, padded as training pads them (mtrain.data.collate)."""
+    rng = np.random.default_rng(seed)
+    src, tgt = ([rng.integers(4, 50, n).tolist() for n in side] for side in zip(*lengths))
+    split = Split("random", Ragged(*to_ragged_arrays(src)), Ragged(*to_ragged_arrays(tgt)), Path("."))
+    return collate(split, range(len(lengths)))
 
 
 def losses_and_grads(objective, model, b):
@@ -54,8 +51,9 @@ def test_compiled_objective_equals_the_eager_one_without_dropout():
     model = Transformer(cfg).train()
     eager = Objective(model, 0.1)
     compiled = torch.compile(Objective(model, 0.1), dynamic=True)  # as trainer.py does for train.compile
-    for seed, shape in enumerate([(4, 7, 6), (3, 11, 9), (5, 5, 12)]):
-        b = batch(*shape, seed=seed)
+    shapes = [[(6, 5), (2, 5), (4, 1)], [(10, 8), (3, 2), (7, 8), (1, 4)], [(4, 11), (4, 3)]]  # ragged, padded both sides
+    for seed, lengths in enumerate(shapes):
+        b = batch(lengths, seed)
         want_loss, want_nll, want_grads = losses_and_grads(eager, model, b)
         got_loss, got_nll, got_grads = losses_and_grads(compiled, model, b)
         torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-4)
