@@ -268,10 +268,69 @@ class _OneDNNLinear(torch.autograd.Function):
         elif cleared is not None:
             grad = _cleared(grad, cleared, 1.0)
         rows = grad.reshape(-1, grad.size(-1))
-        grad_x = (rows @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        grad_x = input_gradient(rows, weight).view(x.shape) if ctx.needs_input_grad[0] else None
         grad_weight = rows.t() @ x.reshape(-1, x.size(-1)) if ctx.needs_input_grad[1] else None
         grad_bias = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_weight, grad_bias, None, None
+
+
+def batched_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
+    """F.scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal) without dropout, for a
+    CPU training step: (B, H, T, d_head) queries over (B, H, S, d_head) keys and values, SDPA's
+    masks (True = may attend, broadcast to (B, H, T, S); is_causal aligns the triangle top-left).
+    A row with every key masked gets zero weights, as SDPA's CPU kernels give.
+
+    PyTorch's CPU kernel for these shapes is a flash-attention kernel, built for long sequences:
+    at a training step's (300-500 sentences x 4 heads x 8-16 positions) it took 23-34 ms forward
+    and backward per layer where three batched matmuls each way, on copies of q, k and v laid out
+    for them, took 16-21 (float32, 2-core AVX2 EPYC, docs/benchmarks.md)."""
+    return _BatchedAttention.apply(q, k, v, mask, is_causal)
+
+
+class _BatchedAttention(torch.autograd.Function):
+    """softmax(q k^T / sqrt(d_head) + mask) v with bmm over the B * H heads, keeping the weights
+    P (B * H x T x S, small at these lengths) for the backward:
+        dV = P^T dY,  dP = dY V^T,  dS = P * (dP - rowsum(dP * P)) / sqrt(d_head),
+        dQ = dS K,  dK = dS^T Q."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
+        B, H, T, D = q.shape
+        S = k.size(2)
+        scale = D ** -0.5
+        q, k, v = q.reshape(B * H, T, D), k.reshape(B * H, S, D), v.reshape(B * H, S, D)
+        scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)
+        if is_causal:
+            scores.masked_fill_(torch.ones(T, S, dtype=torch.bool, device=q.device).triu_(1), NEG_INF)
+        if mask is not None:
+            scores.view(B, H, T, S).masked_fill_(~mask, NEG_INF)
+        weights = torch.softmax(scores, dim=-1).nan_to_num_(nan=0.0)  # a row of -inf: 0, not NaN
+        ctx.save_for_backward(q, k, v, weights)
+        ctx.scale = scale
+        return torch.bmm(weights, v).view(B, H, T, D)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:
+        q, k, v, weights = ctx.saved_tensors
+        B, H, T, D = grad.shape
+        grad = grad.reshape(B * H, T, D)
+        grad_v = torch.bmm(weights.transpose(1, 2), grad)
+        grad_weights = torch.bmm(grad, v.transpose(1, 2))
+        grad_scores = torch._softmax_backward_data(grad_weights, weights, -1, weights.dtype).mul_(ctx.scale)
+        grad_q = torch.bmm(grad_scores, k)
+        grad_k = torch.bmm(grad_scores.transpose(1, 2), q)
+        S = k.size(1)
+        return grad_q.view(B, H, T, D), grad_k.view(B, H, S, D), grad_v.view(B, H, S, D), None, None
+
+
+def input_gradient(grad: Tensor, weight: Tensor) -> Tensor:
+    """grad @ weight, (N, out) x (out, in): a linear layer's gradient by its input. In float32 on
+    a CPU through oneDNN's linear on the transposed weight (a copy of the weight, small next to
+    grad), where MKL's matmul ran these shapes 7-24 % slower (2-core AVX2 EPYC,
+    docs/benchmarks.md)."""
+    if grad.device.type != "cpu" or grad.dtype != torch.float32 or not onednn_linear_runs(torch.float32):
+        return grad @ weight
+    return torch.ops.mkldnn._linear_pointwise(grad, weight.t().contiguous(), None, "none", [], "")
 
 
 def logsumexp_(x: Tensor, peak: Tensor) -> Tensor:

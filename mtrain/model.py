@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from mtrain.cache import BeamCache, KVCache, LayerCache
 from mtrain.config import ModelConfig
 from mtrain.errors import MtrainError
-from mtrain.kernels import Dropout, dropout, dropout_linear, linear, linear_relu_dropout
+from mtrain.kernels import Dropout, batched_attention, dropout, dropout_linear, linear, linear_relu_dropout
 
 
 def sinusoids(length: int, d_model: int) -> Tensor:
@@ -53,7 +53,16 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: floa
         with torch.autocast("cpu", enabled=False):  # autocast would cast them back to bfloat16
             return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
                                                   dropout_p=dropout_p, is_causal=is_causal).to(q.dtype)
+    if _batched_on_cpu(q, k, dropout_p):
+        return batched_attention(q, k, v, mask, is_causal)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+
+
+def _batched_on_cpu(q: Tensor, k: Tensor, dropout_p: float) -> bool:
+    """Whether float32 attention takes kernels.batched_attention: a CPU training step (gradients
+    wanted, eager) without attention dropout, where it is faster than PyTorch's CPU kernel."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and dropout_p == 0.0 and torch.is_grad_enabled()
+            and (q.requires_grad or k.requires_grad) and not torch.compiler.is_compiling())
 
 
 def bfloat16_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,

@@ -407,6 +407,56 @@ def test_bf16_attention_ignores_masked_keys_and_the_future_exactly():
     assert torch.equal(attend(q, k, v, None, 0.0, True)[:, :, :6], attend(q, k3, v3, None, 0.0, True)[:, :, :6])
 
 
+@pytest.mark.parametrize("masking", ["padding", "causal", "prefix", "cross"])
+def test_batched_attention_is_sdpa_in_value_and_gradient(masking):
+    """The CPU training step's float32 attention (kernels.batched_attention) gives
+    PyTorch's attention: values and the gradients of q, k and v, in float64 to 1e-12; a row with
+    every key masked gets zeros; and its backward passes gradcheck."""
+    from mtrain.kernels import batched_attention
+
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randn(3, 4, 9, 16, generator=gen, dtype=torch.float64)
+    keys = 6 if masking == "cross" else 9
+    k, v = (torch.randn(3, 4, keys, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    mask, causal = None, masking == "causal"
+    if masking in ("padding", "cross"):  # the third row masks every key
+        mask = torch.tensor([[True] * keys, [True] * 4 + [False] * (keys - 4), [False] * keys])[:, None, None, :]
+    elif masking == "prefix":  # 9 queries after 0 cached positions, as causal_mask builds it
+        mask = torch.ones(9, 9, dtype=torch.bool).tril()
+    ours = [x.clone().requires_grad_() for x in (q, k, v)]
+    theirs = [x.clone().requires_grad_() for x in (q, k, v)]
+    got = batched_attention(*ours, mask, causal)
+    want = torch.nn.functional.scaled_dot_product_attention(*theirs, attn_mask=mask, is_causal=causal)
+    if masking in ("padding", "cross"):
+        assert (got[2] == 0).all()
+        want = torch.cat([want[:2], torch.zeros_like(want[2:])])  # whatever SDPA gives for nothing to attend to
+    assert (got - want).abs().max().item() < 1e-12
+    upstream = torch.randn(got.shape, generator=gen, dtype=torch.float64)
+    got.backward(upstream)
+    want.backward(upstream)
+    for a, b in zip(ours, theirs):
+        assert (a.grad - b.grad).abs().max().item() < 1e-12
+    small = [x[:2, :2, :5, :4].clone().requires_grad_() for x in (q, k, v)]
+    small_mask = None if mask is None else mask[:2, ..., :5, :5] if mask.dim() == 4 else mask[:5, :5]
+    assert torch.autograd.gradcheck(lambda a, b, c: batched_attention(a, b, c, small_mask, causal), small)
+
+
+def test_float32_attention_with_gradients_takes_the_batched_kernel_on_cpu():
+    """attend sends float32 training tensors (gradients wanted, no attention dropout) to
+    batched_attention and everything else to PyTorch's kernel: the same values either way."""
+    from mtrain import model as model_module
+
+    gen = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(2, 4, 7, 8, generator=gen) for _ in range(3))
+    assert model_module._batched_on_cpu(q.requires_grad_(), k, 0.0)
+    assert not model_module._batched_on_cpu(q, k, 0.1)  # attention dropout: PyTorch's kernel draws it
+    assert not model_module._batched_on_cpu(q.detach(), k, 0.0)  # evaluation and decoding
+    with torch.no_grad():
+        assert not model_module._batched_on_cpu(q, k, 0.0)
+        plain = attend(q, k, v, None, 0.0, True)
+    assert (attend(q, k, v, None, 0.0, True) - plain).abs().max().item() < 1e-6
+
+
 def test_bf16_attention_dropout_drops_weights_in_training_only():
     q, k, v = (x.detach() for x in bf16_qkv(8, shape=(64, 4, 9, 16)))
     ones = torch.ones_like(v)  # each output = the sum of its row's kept weights
