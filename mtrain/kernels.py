@@ -1,8 +1,9 @@
 """CPU stand-ins for torch ops that cost more than they should on a CPU: a dropout mask from 15
 random bits per element, made without bool tensors and applied by clearing bits, dropout folded
 into the linear layer around it, training's linear layers through oneDNN with the bias and ReLU
-fused, a chunked top-k and an in-place logsumexp. Each gives what the torch op would (the dropout
-mask in distribution) and falls back to it where torch is fast already."""
+fused, attention over short sequences by batched matmuls, a chunked top-k and an in-place
+logsumexp. Each gives what the torch op would (the dropout mask in distribution) and falls back to
+it where torch is fast already."""
 
 from __future__ import annotations
 
@@ -268,7 +269,7 @@ class _OneDNNLinear(torch.autograd.Function):
         elif cleared is not None:
             grad = _cleared(grad, cleared, 1.0)
         rows = grad.reshape(-1, grad.size(-1))
-        grad_x = input_gradient(rows, weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        grad_x = (rows @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
         grad_weight = rows.t() @ x.reshape(-1, x.size(-1)) if ctx.needs_input_grad[1] else None
         grad_bias = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_weight, grad_bias, None, None
@@ -281,9 +282,13 @@ def batched_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_c
     A row with every key masked gets zero weights, as SDPA's CPU kernels give.
 
     PyTorch's CPU kernel for these shapes is a flash-attention kernel, built for long sequences:
-    at a training step's (300-500 sentences x 4 heads x 8-16 positions) it took 23-34 ms forward
-    and backward per layer where three batched matmuls each way, on copies of q, k and v laid out
-    for them, took 16-21 (float32, 2-core AVX2 EPYC, docs/benchmarks.md)."""
+    at a training step's (250-500 sentences x 4 heads x 8-16 positions) it took 23-36 ms forward
+    and backward per layer where these batched matmuls, on copies of q, k and v laid out for them,
+    took 16-22, and a training step ran 1.05x as fast (float32, 2-core AVX2 EPYC,
+    docs/benchmarks.md). bmm reads no other layout in place: given one head's strided slice it
+    loops over the matrices one by one. The resident set after six steps grew by 60-80 MB (of
+    1.25-1.28 GB): the heap's free fragments, not live data (the tensors saved for the backward
+    grew by 9 MB). With a buffer of its own for each copy and each gradient it had grown by 140."""
     return _BatchedAttention.apply(q, k, v, mask, is_causal)
 
 
@@ -297,8 +302,12 @@ class _BatchedAttention(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
         B, H, T, D = q.shape
         S = k.size(2)
+        if T == S:
+            q, k, v = _one_buffer(3, q, B * H, T, D, copies_of=(q, k, v))
+        else:
+            q = q.reshape(B * H, T, D)
+            k, v = _one_buffer(2, k, B * H, S, D, copies_of=(k, v))
         scale = D ** -0.5
-        q, k, v = q.reshape(B * H, T, D), k.reshape(B * H, S, D), v.reshape(B * H, S, D)
         scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)
         if is_causal:
             scores.masked_fill_(torch.ones(T, S, dtype=torch.bool, device=q.device).triu_(1), NEG_INF)
@@ -313,24 +322,29 @@ class _BatchedAttention(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:
         q, k, v, weights = ctx.saved_tensors
         B, H, T, D = grad.shape
-        grad = grad.reshape(B * H, T, D)
-        grad_v = torch.bmm(weights.transpose(1, 2), grad)
-        grad_weights = torch.bmm(grad, v.transpose(1, 2))
-        grad_scores = torch._softmax_backward_data(grad_weights, weights, -1, weights.dtype).mul_(ctx.scale)
-        grad_q = torch.bmm(grad_scores, k)
-        grad_k = torch.bmm(grad_scores.transpose(1, 2), q)
         S = k.size(1)
+        grad = grad.reshape(B * H, T, D)
+        grad_scores = torch._softmax_backward_data(torch.bmm(grad, v.transpose(1, 2)), weights, -1, weights.dtype)
+        grad_scores.mul_(ctx.scale)
+        if T == S:
+            grad_q, grad_k, grad_v = _one_buffer(3, q, B * H, T, D)
+        else:
+            grad_q = torch.empty_like(q)
+            grad_k, grad_v = _one_buffer(2, k, B * H, S, D)
+        torch.bmm(grad_scores, k, out=grad_q)
+        torch.bmm(grad_scores.transpose(1, 2), q, out=grad_k)
+        torch.bmm(weights.transpose(1, 2), grad, out=grad_v)
         return grad_q.view(B, H, T, D), grad_k.view(B, H, S, D), grad_v.view(B, H, S, D), None, None
 
 
-def input_gradient(grad: Tensor, weight: Tensor) -> Tensor:
-    """grad @ weight, (N, out) x (out, in): a linear layer's gradient by its input. In float32 on
-    a CPU through oneDNN's linear on the transposed weight (a copy of the weight, small next to
-    grad), where MKL's matmul ran these shapes 7-24 % slower (2-core AVX2 EPYC,
-    docs/benchmarks.md)."""
-    if grad.device.type != "cpu" or grad.dtype != torch.float32 or not onednn_linear_runs(torch.float32):
-        return grad @ weight
-    return torch.ops.mkldnn._linear_pointwise(grad, weight.t().contiguous(), None, "none", [], "")
+def _one_buffer(n: int, like: Tensor, *shape: int, copies_of: tuple[Tensor, ...] = ()) -> tuple[Tensor, ...]:
+    """n tensors of `shape` as views of one new buffer (of like's dtype and device), holding copies
+    of copies_of when given (same element count). One buffer the size of the fused projection's
+    output, like that output itself, leaves the heap fewer fragments than a buffer per tensor."""
+    buffer = like.new_empty(n, *shape)
+    for slot, x in zip(buffer, copies_of):
+        slot.view(x.shape).copy_(x)
+    return tuple(buffer.unbind(0))
 
 
 def logsumexp_(x: Tensor, peak: Tensor) -> Tensor:
