@@ -48,6 +48,11 @@ from mtrain.loss import Objective
 from mtrain.memory import reuse_freed_memory
 from mtrain.model import Transformer, sinusoids
 
+try:
+    from mtrain.packing import Packing
+except ImportError:  # an older mtrain on PYTHONPATH, for before/after runs: its step ran padded
+    Packing = None
+
 ROOT = Path(__file__).resolve().parents[1]
 PAD, BOS, EOS = 0, 2, 3
 LABEL_SMOOTHING = 0.1
@@ -225,20 +230,25 @@ def matmul_peak_gflops(n: int = 2048, reps: int = 10, dtype: torch.dtype = torch
     return 2 * n ** 3 / best / 1e9
 
 
-def train_flops(batch: Batch, cfg: ModelConfig, project_pads: bool) -> float:
-    """Matmul FLOPs of one training step as run (padded shapes), counted explicitly: 2*m*n*k per
-    (m x k) @ (k x n) product; backward does two products per forward one, so a step is 3 x forward.
-    Attention counts the full S x S (T x T) score and value products. Element-wise work (softmax,
-    LayerNorm, dropout, Adam) is not counted: it is memory-bound and small next to the matmuls."""
+def train_flops(batch: Batch, cfg: ModelConfig, as_mtrain: bool) -> float:
+    """Matmul FLOPs of one training step as run, counted explicitly: 2*m*n*k per (m x k) @ (k x n)
+    product; backward does two products per forward one, so a step is 3 x forward. The peers'
+    linear layers and projection run on the padded shapes; mtrain's linear layers on the packed
+    rows (mtrain.packing; padded in a checkout without it) and its projection on the real target
+    positions. Attention counts the full S x S (T x T) score and value products. Element-wise work
+    (softmax, LayerNorm, dropout, Adam) is not counted: it is memory-bound and small next to the
+    matmuls."""
     src, tgt_in, tgt_out = batch
     (B, S), T = src.shape, tgt_in.shape[1]
     d, f, V = cfg.d_model, cfg.d_ff, cfg.vocab_size
     enc_tokens, dec_tokens = B * S, B * T
+    if as_mtrain and Packing is not None:
+        enc_tokens, dec_tokens = (Packing.of(ids, PAD).index.numel() for ids in (src, tgt_out))
     encoder = 2 * enc_tokens * (4 * d * d + 2 * d * f) + 4 * B * S * S * d  # QKV+out, FFN; QK^T and AV
     decoder = (2 * dec_tokens * (6 * d * d + 2 * d * f)  # self QKV+out, cross Q+out, FFN
                + 2 * enc_tokens * 2 * d * d  # cross-attention K, V from the memory
                + 4 * B * T * T * d + 4 * B * T * S * d)  # self and cross attention products
-    projected = dec_tokens if project_pads else int((tgt_out != PAD).sum())
+    projected = int((tgt_out != PAD).sum()) if as_mtrain else dec_tokens
     forward = cfg.n_encoder_layers * encoder + cfg.n_decoder_layers * decoder + 2 * projected * d * V
     return 3.0 * forward
 
@@ -442,7 +452,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name in names:
         batches = model_batches(name, bucketed, unbucketed)
         tokens = args.rounds * sum(int((b[2] != PAD).sum()) for b in batches)
-        flops = args.rounds * sum(train_flops(b, cfg, project_pads=not name.startswith("mtrain")) for b in batches)
+        flops = args.rounds * sum(train_flops(b, cfg, as_mtrain=name.startswith("mtrain")) for b in batches)
         total, best = seconds[name].sum(), args.rounds * seconds[name].min(axis=0).sum()
         rows[name] = {"tok_s": tokens / total, "best_tok_s": tokens / best, "gflops": flops / total / 1e9,
                       "pad": padding_fraction(batches), "tokens_per_batch": tokens / args.rounds / len(batches)}

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from mtrain.kernels import logsumexp_
+from mtrain.packing import Packing
 
 
 def _float32_or_wider(logits: Tensor) -> Tensor:
@@ -313,10 +314,19 @@ class _SymmetricKL(torch.autograd.Function):
         return grad_a.to(ctx.dtypes[0]), grad_b.to(ctx.dtypes[1])
 
 
+def packs(ids: Tensor) -> bool:
+    """Whether the training step runs on the batch's real positions only (mtrain.packing): on a
+    CPU, eager. Finding them takes the host a look at the ids, which on a GPU would wait for the
+    device; and the compiler wants the padded shapes, which it sees again from batch to batch."""
+    return ids.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 class Objective(nn.Module):
     """Teacher-forced label-smoothed loss as one module, so DDP (which hooks forward) and
-    torch.compile see the whole computation. The vocabulary projection runs only at real target
-    positions: pads are ~30% of a bucketed batch and the projection is the largest matmul."""
+    torch.compile see the whole computation. The vocabulary projection, the largest matmul, runs
+    only at real target positions; on a CPU the layers before it run on the real positions of
+    both sides too (mtrain.packing), and a float32 step ran 1.04-1.05x as fast (small shape, 2-core
+    AVX2 EPYC, docs/benchmarks.md)."""
 
     def __init__(self, model: nn.Module, label_smoothing: float, rdrop_alpha: float = 0.0) -> None:
         super().__init__()
@@ -332,9 +342,16 @@ class Objective(nn.Module):
         return projected_label_smoothed_loss(states, self.model.proj.weight, target, self.eps)
 
     def _states(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pad_id = self.model.cfg.pad_id
+        if packs(src):  # tgt_in and tgt_out are real at the same cells (BOS + ids, ids + EOS)
+            src_rows, tgt_rows = Packing.of(src, pad_id), Packing.of(tgt_out, pad_id)
+            memory = self.model.encode(src, src_rows)  # (N_src, d_model)
+            states = self.model.decode_states(tgt_in, memory, src, packing=tgt_rows, memory_packing=src_rows)
+            real = tgt_rows.index[: tgt_rows.real]  # the real rows come first, in row-major order
+            return states[: tgt_rows.real], tgt_out.reshape(-1).index_select(0, real)
         memory = self.model.encode(src)  # (B, S, d_model)
         states = self.model.decode_states(tgt_in, memory, src)  # (B, T, d_model)
-        real = tgt_out != self.model.cfg.pad_id  # (B, T)
+        real = tgt_out != pad_id  # (B, T)
         return states[real], tgt_out[real]  # (N, d_model), N = real target tokens
 
     def _logits(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,7 @@ from mtrain.cache import BeamCache, KVCache, LayerCache
 from mtrain.config import ModelConfig
 from mtrain.errors import MtrainError
 from mtrain.kernels import Dropout, batched_attention, dropout, dropout_linear, linear, linear_relu_dropout
+from mtrain.packing import Packing
 
 
 def sinusoids(length: int, d_model: int) -> Tensor:
@@ -103,15 +104,20 @@ class SelfAttention(nn.Module):
         self.out = nn.Linear(d_model, d_model)  # W^O
 
     def forward(self, x: Tensor, mask: Tensor | None = None, is_causal: bool = False,
-                cache: LayerCache | None = None, dropout: float = 0.0) -> Tensor:
-        """dropout: the residual dropout on the output (paper 5.4), applied in W^O (dropout_linear)."""
-        B, T, D = x.shape
-        q, k, v = split_heads(linear(self.qkv, x, self.training), 3, self.n_heads)
+                cache: LayerCache | None = None, dropout: float = 0.0, packing: Packing | None = None) -> Tensor:
+        """dropout: the residual dropout on the output (paper 5.4), applied in W^O (dropout_linear).
+        packing: x is (N, d_model) rows of that padded batch (mtrain.packing), and so is the output."""
+        qkv = linear(self.qkv, x, self.training)
+        if packing is not None:
+            qkv = packing.to_grid(qkv)
+        B, T, _ = qkv.shape
+        q, k, v = split_heads(qkv, 3, self.n_heads)
         if cache is not None:
             q, k, v, mask = cache.self_attention(q, k, v, mask)
         p = self.attention_dropout if self.training else 0.0
         y = attend(q, k, v, mask, p, is_causal)  # (B', H, T', d_head): a cache may fold rows
-        return dropout_linear(self.out, y.transpose(1, 2).reshape(B, T, D), dropout, self.training)  # concat heads
+        y = y.transpose(1, 2).reshape(B, T, x.size(-1))  # concat heads
+        return dropout_linear(self.out, y if packing is None else packing.to_rows(y), dropout, self.training)
 
 
 class CrossAttention(nn.Module):
@@ -125,22 +131,28 @@ class CrossAttention(nn.Module):
         self.kv = nn.Linear(d_model, 2 * d_model)  # W^K, W^V stacked
         self.out = nn.Linear(d_model, d_model)  # W^O
 
-    def memory_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
-        k, v = split_heads(linear(self.kv, memory, self.training), 2, self.n_heads)
+    def memory_kv(self, memory: Tensor, packing: Packing | None = None) -> tuple[Tensor, Tensor]:
+        kv = linear(self.kv, memory, self.training)
+        k, v = split_heads(kv if packing is None else packing.to_grid(kv), 2, self.n_heads)
         return k, v  # each (B, H, S, d_head)
 
     def forward(self, x: Tensor, memory: Tensor, mask: Tensor, cache: LayerCache | None = None,
-                dropout: float = 0.0) -> Tensor:
-        """dropout: the residual dropout on the output (paper 5.4), applied in W^O (dropout_linear)."""
-        B, T, D = x.shape
-        q = linear(self.q, x, self.training).view(B, T, self.n_heads, D // self.n_heads).transpose(1, 2)  # (B, H, T, d_head)
+                dropout: float = 0.0, packing: Packing | None = None,
+                memory_packing: Packing | None = None) -> Tensor:
+        """dropout: the residual dropout on the output (paper 5.4), applied in W^O (dropout_linear).
+        packing, memory_packing: x, memory are rows of those padded batches (mtrain.packing)."""
+        q = linear(self.q, x, self.training)
+        if packing is not None:
+            q = packing.to_grid(q)
+        B, T, D = q.shape
+        q = q.view(B, T, self.n_heads, D // self.n_heads).transpose(1, 2)  # (B, H, T, d_head)
         if cache is None:
-            k, v = self.memory_kv(memory)
+            k, v = self.memory_kv(memory, memory_packing)
         else:  # K/V computed on the first cached call, then reused for every step of the sentence
             q, k, v = cache.cross_attention(q, memory, self.memory_kv)
         p = self.attention_dropout if self.training else 0.0
-        y = attend(q, k, v, mask, p)
-        return dropout_linear(self.out, y.transpose(1, 2).reshape(B, T, D), dropout, self.training)
+        y = attend(q, k, v, mask, p).transpose(1, 2).reshape(B, T, D)  # concat heads
+        return dropout_linear(self.out, y if packing is None else packing.to_rows(y), dropout, self.training)
 
 
 class FeedForward(nn.Sequential):
@@ -177,9 +189,9 @@ class EncoderLayer(nn.Module):
         self.norm2 = nn.LayerNorm(cfg.d_model)
         self.dropout = Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, src_mask: Tensor, packing: Packing | None = None) -> Tensor:
         p = self.dropout.p  # each sublayer drops its own output (in its last linear layer)
-        x = self.norm1(x + self.self_attn(x, mask=src_mask, dropout=p))
+        x = self.norm1(x + self.self_attn(x, mask=src_mask, dropout=p, packing=packing))
         return self.norm2(x + self.ffn(x, dropout=p))
 
 
@@ -197,10 +209,13 @@ class DecoderLayer(nn.Module):
         self.dropout = Dropout(cfg.dropout)
 
     def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor, self_mask: Tensor | None = None,
-                is_causal: bool = True, cache: LayerCache | None = None) -> Tensor:
+                is_causal: bool = True, cache: LayerCache | None = None,
+                packing: Packing | None = None, memory_packing: Packing | None = None) -> Tensor:
         p = self.dropout.p  # each sublayer drops its own output (in its last linear layer)
-        x = self.norm1(x + self.self_attn(x, mask=self_mask, is_causal=is_causal, cache=cache, dropout=p))
-        x = self.norm2(x + self.cross_attn(x, memory, src_mask, cache=cache, dropout=p))
+        x = self.norm1(x + self.self_attn(x, mask=self_mask, is_causal=is_causal, cache=cache, dropout=p,
+                                          packing=packing))
+        x = self.norm2(x + self.cross_attn(x, memory, src_mask, cache=cache, dropout=p, packing=packing,
+                                           memory_packing=memory_packing))
         return self.norm3(x + self.ffn(x, dropout=p))
 
 
@@ -255,27 +270,36 @@ class Transformer(nn.Module):
         row (mtrain.cache.BeamCache)."""
         return KVCache(len(self.decoder)) if group == 1 else BeamCache(len(self.decoder), group)
 
-    def embed(self, ids: Tensor, table: nn.Embedding, start: int = 0) -> Tensor:
-        """Token embedding * sqrt(d_model) + sinusoid of positions start.., then dropout."""
+    def embed(self, ids: Tensor, table: nn.Embedding, start: int = 0, packing: Packing | None = None) -> Tensor:
+        """Token embedding * sqrt(d_model) + sinusoid of positions start.., then dropout; with a
+        packing, (N, d_model) for its rows."""
         end = start + ids.shape[1]
         if end > self.pe.shape[0]:  # sinusoids extend to any length; grow the table when needed
             self.pe = sinusoids(max(end, 2 * self.pe.shape[0]), self.cfg.d_model).to(self.pe.device)
+        if packing is None:
+            ids, pe = ids, self.pe[start:end]
+        else:
+            ids, pe = packing.take(ids), self.pe.index_select(0, packing.positions())
         # In the table's dtype: a bfloat16 decoding copy (mtrain.quantize) keeps float32 sinusoids.
-        return self.embed_dropout((table(ids) * self.scale + self.pe[start:end]).to(table.weight.dtype))
+        return self.embed_dropout((table(ids) * self.scale + pe).to(table.weight.dtype))
 
-    def encode(self, src: Tensor) -> Tensor:
-        """(B, S) source ids -> memory (B, S, d_model)."""
+    def encode(self, src: Tensor, packing: Packing | None = None) -> Tensor:
+        """(B, S) source ids -> memory (B, S, d_model); with packing (Packing.of(src)), its rows
+        (N, d_model)."""
         mask = key_mask(src, self.cfg.pad_id)
-        x = self.embed(src, self.src_embed)
+        x = self.embed(src, self.src_embed, packing=packing)
         for layer in self.encoder:
-            x = layer(x, mask)
+            x = layer(x, mask, packing)
         return x
 
-    def decode_states(self, tgt: Tensor, memory: Tensor, src: Tensor, cache: KVCache | None = None) -> Tensor:
+    def decode_states(self, tgt: Tensor, memory: Tensor, src: Tensor, cache: KVCache | None = None,
+                      packing: Packing | None = None, memory_packing: Packing | None = None) -> Tensor:
         """(B, t) target ids -> final decoder states (B, t, d_model).
 
         With a cache, `tgt` holds only the new tokens; their positions continue from cache.length,
-        and memory/src are read only on the first call (cross-attention K/V and mask are cached)."""
+        and memory/src are read only on the first call (cross-attention K/V and mask are cached).
+        With packings (teacher forcing only), memory is the rows of memory_packing and the states
+        are the rows of packing (Packing.of(tgt)), (N, d_model)."""
         t = tgt.shape[1]
         start = 0 if cache is None else cache.length
         if cache is None:
@@ -287,9 +311,10 @@ class Transformer(nn.Module):
         self_mask, is_causal = causal_mask(start, t, tgt.device)
         if cache is not None:
             cache.begin(tgt)
-        x = self.embed(tgt, self.tgt_embed, start)
+        x = self.embed(tgt, self.tgt_embed, start, packing)
         for i, layer in enumerate(self.decoder):
-            x = layer(x, memory, src_mask, self_mask, is_causal, cache=None if cache is None else cache.layers[i])
+            x = layer(x, memory, src_mask, self_mask, is_causal, cache=None if cache is None else cache.layers[i],
+                      packing=packing, memory_packing=memory_packing)
         if cache is not None:
             cache.length += t
         return x

@@ -1,0 +1,93 @@
+"""A padded batch's real positions as rows: the training step's linear layers, layer norms,
+dropouts and residual sums run on the rows that hold tokens, and only attention, which needs the
+sentences side by side, sees the padded (B, T) grid.
+
+Everything but attention treats each position on its own, so dropping the pads changes no real
+position's value. A length-bucketed batch is still 10-12 % source padding and ~5 % target padding
+at Multi30k's lengths, and that share of every matmul was spent on positions nothing reads."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+# The rows are rounded up to a multiple of this with padding positions (computed like any other,
+# never read): oneDNN, which runs a CPU training step's linear layers, builds and keeps a kernel for
+# each new row count, and a count of its own in every batch filled its caches (mtrain.loss explains
+# the same rounding for the vocabulary projection).
+ROW_MULTIPLE = 64
+
+
+class Packing(NamedTuple):
+    """Where the rows of a packed (N, C) tensor sit in its padded (B, T, C) grid."""
+
+    index: Tensor  # (N,) cells of the flattened (B * T) grid: the real ones in row-major order, then pads
+    gaps: Tensor  # the grid's other cells (all padding)
+    real: int  # the first `real` rows hold tokens; the rest are padding cells that round N up
+    batch: int  # B
+    length: int  # T
+
+    @classmethod
+    def of(cls, ids: Tensor, pad_id: int, multiple: int = ROW_MULTIPLE) -> Packing:
+        """The packing of a (B, T) id tensor: its non-pad cells, then as many pad cells as round
+        their count up to `multiple` (or all of them, when there are fewer)."""
+        batch, length = ids.shape
+        is_pad = ids.reshape(-1) == pad_id
+        real, pads = (~is_pad).nonzero().squeeze(1), is_pad.nonzero().squeeze(1)
+        extra = min(-real.numel() % multiple, pads.numel())
+        return cls(torch.cat([real, pads[:extra]]), pads[extra:], real.numel(), batch, length)
+
+    def positions(self) -> Tensor:
+        """(N,) each row's position in its sentence (0 .. T - 1)."""
+        return self.index.remainder(self.length)
+
+    def take(self, ids: Tensor) -> Tensor:
+        """(B, T) -> (N,): the ids at the rows' cells."""
+        return ids.reshape(-1).index_select(0, self.index)
+
+    def to_grid(self, rows: Tensor) -> Tensor:
+        """(N, C) rows -> (B, T, C), zero at the cells no row fills (finite, so a masked key's
+        value times its zero weight stays zero)."""
+        return _ToGrid.apply(rows, self.index, self.gaps).view(self.batch, self.length, -1)
+
+    def to_rows(self, grid: Tensor) -> Tensor:
+        """(B, T, C) -> (N, C): the rows' cells."""
+        return _ToRows.apply(grid.reshape(self.batch * self.length, -1), self.index, self.gaps)
+
+
+def _grid(rows: Tensor, index: Tensor, gaps: Tensor) -> Tensor:
+    """rows (N, C) at the cells `index` of a new (N + gaps, C) grid, zero at `gaps`: each cell
+    written once (zeroing the whole grid first took a third of the time)."""
+    grid = rows.new_empty(index.numel() + gaps.numel(), rows.size(1))
+    return grid.index_fill_(0, gaps, 0).index_copy_(0, index, rows)
+
+
+class _ToGrid(torch.autograd.Function):
+    """rows (N, C) into a grid (_grid); the backward reads them back."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, index: Tensor, gaps: Tensor) -> Tensor:
+        ctx.save_for_backward(index)
+        return _grid(rows, index, gaps)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        (index,) = ctx.saved_tensors
+        return grad.index_select(0, index), None, None
+
+
+class _ToRows(torch.autograd.Function):
+    """grid (cells, C) read at `index`; the backward puts the gradient back in a grid (_grid: the
+    cells are distinct, so a copy, where index_select's own backward zeroes a grid and adds)."""
+
+    @staticmethod
+    def forward(ctx, grid: Tensor, index: Tensor, gaps: Tensor) -> Tensor:
+        ctx.save_for_backward(index, gaps)
+        return grid.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        index, gaps = ctx.saved_tensors
+        return _grid(grad, index, gaps), None, None

@@ -1,0 +1,125 @@
+"""mtrain.packing: a padded batch's real positions as rows, and the training step on them, which
+must equal the step on the padded batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mtrain.loss as loss_module
+from mtrain.config import ModelConfig
+from mtrain.loss import Objective
+from mtrain.model import Transformer
+from mtrain.packing import Packing
+
+PAD = 0
+
+
+def padded(lengths: list[int], width: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(4, 50, (len(lengths), width), generator=gen)
+    for row, n in enumerate(lengths):
+        x[row, n:] = PAD
+    return x
+
+
+def test_rows_are_the_real_cells_in_order_then_pads_up_to_the_multiple():
+    ids = padded([3, 1, 4, 0], 5, seed=1)  # 8 real cells of 20
+    packing = Packing.of(ids, PAD, multiple=6)
+    flat = ids.reshape(-1)
+    real = [i for i in range(20) if flat[i] != PAD]
+    assert packing.real == 8
+    assert packing.index[:8].tolist() == real
+    assert packing.index.numel() == 12  # 8 rounded up to a multiple of 6
+    assert (flat[packing.index[8:]] == PAD).all()
+    assert sorted(packing.index.tolist() + packing.gaps.tolist()) == list(range(20))
+    assert packing.positions().tolist() == [i % 5 for i in packing.index.tolist()]
+    assert packing.take(ids).tolist() == flat[packing.index].tolist()
+
+
+def test_rounding_stops_at_the_whole_grid():
+    ids = padded([2, 2], 3, seed=2)  # 4 real of 6 cells; a multiple of 64 would need 60 more
+    packing = Packing.of(ids, PAD)
+    assert packing.index.numel() == 6 and packing.gaps.numel() == 0 and packing.real == 4
+    assert Packing.of(ids, PAD, multiple=1).index.numel() == 4
+
+
+def test_grid_and_rows_invert_each_other_and_zero_the_gaps():
+    ids = padded([3, 5, 1], 5, seed=3)
+    packing = Packing.of(ids, PAD, multiple=4)
+    rows = torch.randn(packing.index.numel(), 7)
+    grid = packing.to_grid(rows)
+    assert grid.shape == (3, 5, 7)
+    assert torch.equal(grid.reshape(15, 7)[packing.gaps], torch.zeros(packing.gaps.numel(), 7))
+    assert torch.equal(packing.to_rows(grid), rows)
+    assert torch.equal(grid.reshape(15, 7)[packing.index], rows)
+
+
+def test_grid_and_rows_pass_gradients():
+    packing = Packing.of(padded([2, 4, 3], 4, seed=4), PAD, multiple=4)
+    rows = torch.randn(packing.index.numel(), 3, dtype=torch.float64, requires_grad=True)
+    grid = torch.randn(3, 4, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(packing.to_grid, (rows,))
+    assert torch.autograd.gradcheck(packing.to_rows, (grid,))
+
+
+def tiny_objective(**changes) -> tuple[Objective, Transformer]:
+    torch.manual_seed(0)
+    cfg = ModelConfig(**{**dict(d_model=32, d_ff=64, n_heads=4, n_encoder_layers=2, n_decoder_layers=2,
+                                dropout=0.0, vocab_size=50, max_len=64), **changes})
+    model = Transformer(cfg).double().train()
+    return Objective(model, 0.1), model
+
+
+def loss_and_gradients(objective: Objective, model: Transformer, batch) -> tuple[torch.Tensor, torch.Tensor, list]:
+    model.zero_grad(set_to_none=True)
+    loss, nll = objective(*batch)
+    loss.backward()
+    return loss.detach(), nll, [p.grad.clone() for p in model.parameters()]
+
+
+def target_batch(lengths: list[int], width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """tgt_in = BOS + ids, tgt_out = ids + EOS, padded alike, as mtrain.data.collate makes them."""
+    tgt_out = padded(lengths, width, seed)
+    tgt_in = tgt_out.clone()
+    tgt_in[:, 1:] = tgt_out[:, :-1]
+    tgt_in[:, 0] = 2
+    tgt_in[tgt_out == PAD] = PAD
+    return tgt_in, tgt_out
+
+
+@pytest.mark.parametrize("multiple", [1, 64])
+def test_packed_step_equals_the_padded_step(monkeypatch, multiple):
+    """Loss, NLL and every parameter's gradient, float64, on a batch with padding on both sides
+    (a sentence alone at full length, one with a single token): packing drops only cells that
+    no real position reads."""
+    of = Packing.of.__func__
+    monkeypatch.setattr(Packing, "of", classmethod(lambda cls, ids, pad_id: of(cls, ids, pad_id, multiple)))
+    objective, model = tiny_objective()
+    src = padded([7, 3, 1, 5], 7, seed=5)
+    tgt_in, tgt_out = target_batch([4, 6, 1, 2], 6, seed=6)
+    batch = (src, tgt_in, tgt_out)
+    packed = loss_and_gradients(objective, model, batch)
+    monkeypatch.setattr(loss_module, "packs", lambda ids: False)
+    padded_step = loss_and_gradients(objective, model, batch)
+    torch.testing.assert_close(packed[0], padded_step[0], rtol=1e-12, atol=0)
+    torch.testing.assert_close(packed[1], padded_step[1], rtol=1e-12, atol=0)
+    for a, b in zip(packed[2], padded_step[2]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_a_cpu_training_step_runs_its_layers_on_the_real_rows():
+    objective, model = tiny_objective(dropout=0.1)
+    src = padded([7, 3, 1, 5], 7, seed=7)  # 16 real of 28 cells
+    tgt_in, tgt_out = target_batch([4, 6, 1, 2], 6, seed=8)  # 13 real of 24
+    seen = []
+    for layer in (model.encoder[0], model.decoder[0]):
+        layer.register_forward_pre_hook(lambda module, args: seen.append(tuple(args[0].shape)))
+    loss, nll = objective(src, tgt_in, tgt_out)
+    assert seen == [(28, 32), (24, 32)]  # 16 and 13 rounded up to 64 stop at the whole grids
+    assert torch.isfinite(loss) and torch.isfinite(nll)
+    seen.clear()
+    src = torch.cat([src] * 8)  # 128 real of 224 cells: no rounding needed
+    tgt_in, tgt_out = torch.cat([tgt_in] * 8), torch.cat([tgt_out] * 8)
+    objective(src, tgt_in, tgt_out)
+    assert seen == [(128, 32), (128, 32)]  # 104 real target rows rounded up to 128
