@@ -123,3 +123,15 @@ def test_a_cpu_training_step_runs_its_layers_on_the_real_rows():
     tgt_in, tgt_out = torch.cat([tgt_in] * 8), torch.cat([tgt_out] * 8)
     objective(src, tgt_in, tgt_out)
     assert seen == [(128, 32), (128, 32)]  # 104 real target rows rounded up to 128
+
+
+def test_bfloat16_autocast_keeps_the_padded_step():
+    objective, model = tiny_objective()
+    model.float()
+    src = padded([7, 3, 1, 5], 7, seed=9)
+    tgt_in, tgt_out = target_batch([4, 6, 1, 2], 6, seed=10)
+    seen = []
+    model.encoder[0].register_forward_pre_hook(lambda module, args: seen.append(tuple(args[0].shape)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        objective(src, tgt_in, tgt_out)
+    assert seen == [(4, 7, 32)]
