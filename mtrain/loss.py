@@ -328,7 +328,7 @@ class Objective(nn.Module):
     """Teacher-forced label-smoothed loss as one module, so DDP (which hooks forward) and
     torch.compile see the whole computation. The vocabulary projection, the largest matmul, runs
     only at real target positions; on a CPU the layers before it run on the real positions of
-    both sides too (mtrain.packing), and a float32 step ran 1.04-1.05x as fast (small shape, 2-core
+    both sides too (mtrain.packing), and a float32 step ran 1.02-1.05x as fast (small shape, 2-core
     AVX2 EPYC, docs/benchmarks.md)."""
 
     def __init__(self, model: nn.Module, label_smoothing: float, rdrop_alpha: float = 0.0) -> None:
