@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from mtrain.kernels import logsumexp_
-from mtrain.packing import Packing
+from mtrain.packing import ROW_MULTIPLE, Packing
 
 
 def _float32_or_wider(logits: Tensor) -> Tensor:
@@ -94,15 +94,9 @@ CHUNK_BYTES = 1 << 21  # float32 logits per chunk: ~1 MiB per thread of 2, a Zen
 # vocabulary 2 MiB is 16 rows, ~1500 chunks and ~20k launches for 25k target tokens. 64 MiB chunks
 # (512 rows there) keep the float32 copy of a chunk small next to the logits themselves.
 DEVICE_CHUNK_BYTES = 1 << 26
-# The projection's matmuls run on the real target tokens rounded up to this many rows (zero states,
-# so zero logits, that the loss skips). oneDNN, which runs bfloat16 matmuls on a CPU, compiles a
-# kernel for every new shape (2-5 ms each here) and keeps it, with a few hundred kB, in two caches
-# of 1024 shapes. With a token count of its own in every batch, each step brought three new shapes:
-# the caches churned and held memory that the heap never gave back. Multiples of 64 give at most
-# max_tokens / 64 shapes for at most 63 extra rows (~3 % of this matmul at 2k tokens); a bf16
-# training loop then made 18 new kernels in its second epoch instead of 99, stayed at 1.4 GB
-# instead of growing past 2.9 GB, and ran 7 % faster (docs/benchmarks.md, "Memory over a long run").
-ROW_MULTIPLE = 64
+# The projection's matmuls run on the real target tokens rounded up to ROW_MULTIPLE rows (zero
+# states, so zero logits, that the loss skips), the row rounding mtrain.packing explains: at 2k
+# tokens at most ~3 % more of this matmul.
 
 
 def _chunk_rows(vocab: int, device: torch.device) -> int:
