@@ -36,10 +36,15 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from mtrain import mkl_dispatch  # noqa: E402
+
+if __name__ == "__main__":  # before torch, as the CLI does; CTranslate2's spawned process keeps its own
+    mkl_dispatch.enable()
+
+import torch  # noqa: E402
 
 from mtrain.config import ModelConfig, TokenizerConfig  # noqa: E402
 from mtrain.ensemble import Ensemble  # noqa: E402
@@ -341,6 +346,7 @@ def main() -> None:
     table = sys.stderr if args.json else sys.stdout  # the readable table; JSON alone on stdout
     emit = lambda line: print(line, file=table, flush=True)  # noqa: E731
     emit(f"{n} sentences, {len(batches)} batches, {threads} threads, torch {torch.__version__}")
+    emit(f"mkl: {mkl_dispatch.status}")
     systems = {
         "mtrain_greedy": lambda src, steps: run_mtrain([model], src, steps, 1),
         "mtrain_beam5": lambda src, steps: run_mtrain([model], src, steps, BEAM),

@@ -36,10 +36,14 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from mtrain import mkl_dispatch
+
+mkl_dispatch.enable()  # before torch, as the CLI does: every model here multiplies with the same MKL
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
 
 from mtrain.config import ModelConfig
 from mtrain.data import make_batches
@@ -423,6 +427,7 @@ def main(argv: list[str] | None = None) -> dict:
     log(f"shape: d_model {cfg.d_model}, d_ff {cfg.d_ff}, {cfg.n_heads} heads, "
         f"{cfg.n_encoder_layers}+{cfg.n_decoder_layers} layers, vocab {cfg.vocab_size}; "
         f"{args.max_tokens}-token batches; lengths: {source}; threads {torch.get_num_threads()}")
+    log(f"mkl: {mkl_dispatch.status}")
 
     if args.profile:
         return run_profile(cfg, bucketed, args, log)

@@ -26,6 +26,15 @@ app = typer.Typer(
 )
 
 
+@app.callback()
+def _before_any_command() -> None:
+    # Runs before the command, so before anything imports torch: MKL's fast kernels on AMD CPUs
+    # need their stub loaded first (mtrain.mkl_dispatch).
+    from mtrain import mkl_dispatch
+
+    mkl_dispatch.enable()
+
+
 def friendly(fn: Callable) -> Callable:
     """Turn MtrainError (and Ctrl-C) into one line on stderr and an exit code, never a traceback."""
 

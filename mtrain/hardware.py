@@ -9,6 +9,7 @@ import platform
 
 import torch
 
+from mtrain import mkl_dispatch
 from mtrain.errors import MtrainError
 
 
@@ -96,7 +97,8 @@ def machine_record() -> dict[str, object]:
     report each add their thread count and what else only they know)."""
     return {"machine": platform.machine(), "processor": platform.processor() or None, "cpu_count": os.cpu_count(),
             "python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, **cpu_summary()}
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "mkl_dispatch": mkl_dispatch.status, **cpu_summary()}
 
 
 def resolve_device(device: str) -> torch.device:

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from mtrain import tracking
 from mtrain import distributed as dist_utils
+from mtrain import mkl_dispatch
 from mtrain.atomic import atomic_write
 from mtrain.config import Config, to_dict, to_yaml
 from mtrain.data import target_tokens
@@ -137,6 +138,8 @@ class Run:
             tr.log(f"training {sum(p.numel() for p in tr.model.parameters()):,} parameters on {tr.device} "
                    f"({tr.dist.world_size} process(es)); run folder {tr.run_dir}")
         tr.log(amp_note(tr.tcfg.amp, tr.amp_dtype, tr.device))  # also on resume: the host may differ
+        if mkl_dispatch.note() and tr.device.type == "cpu":
+            tr.log(mkl_dispatch.note())
         note = cooldown_patience_note(tr.tcfg.max_steps, tr.tcfg.cooldown_steps, tr.tcfg.patience)
         if note and not resumed:
             tr.log(note)
@@ -358,6 +361,8 @@ def train(cfg: Config, data_dir: str | Path, run_dir: str | Path | None, device:
             if dry_run:
                 summary = summarize(trainer)
                 trainer.log(amp_note(trainer.tcfg.amp, trainer.amp_dtype, trainer.device))
+                if mkl_dispatch.note() and trainer.device.type == "cpu":
+                    trainer.log(mkl_dispatch.note())
                 if info.is_main:
                     print(json.dumps(summary, indent=2))
                 return summary

@@ -1,0 +1,136 @@
+"""mtrain.mkl_dispatch: which hosts get the stub, that it is built once and atomically, that libtorch
+binds MKL's vendor check to it when it is loaded before torch, and that matmuls stay exact."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from mtrain import mkl_dispatch
+
+
+@pytest.mark.parametrize("setting", ["0", "off", "False", " no "])
+def test_the_setting_turns_it_off(setting):
+    assert mkl_dispatch.reason_to_skip("AuthenticAMD", setting, "x86_64", "Linux").startswith("off: MTRAIN_MKL")
+
+
+def test_only_amd_cpus_on_linux_x86_64_want_it():
+    want = mkl_dispatch.reason_to_skip
+    assert want("AuthenticAMD", None, "x86_64", "Linux") is None
+    assert want("HygonGenuine", "1", "x86_64", "Linux") is None
+    assert "GenuineIntel CPU" in want("GenuineIntel", None, "x86_64", "Linux")
+    assert "unknown CPU" in want(None, None, "x86_64", "Linux")
+    assert "Darwin" in want("AuthenticAMD", None, "x86_64", "Darwin")
+    assert "aarch64" in want("AuthenticAMD", None, "aarch64", "Linux")
+
+
+def test_the_vendor_is_read_from_cpuinfo(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n")
+    assert mkl_dispatch.cpu_vendor(cpuinfo) == "AuthenticAMD"
+    cpuinfo.write_text("processor\t: 0\nCPU implementer\t: 0x41\n")
+    assert mkl_dispatch.cpu_vendor(cpuinfo) is None
+    assert mkl_dispatch.cpu_vendor(tmp_path / "missing") is None
+
+
+def test_too_late_once_torch_is_imported(monkeypatch):
+    import torch  # noqa: F401  (this process has it already; the point is that enable() sees it)
+
+    monkeypatch.setattr(mkl_dispatch, "status", mkl_dispatch.status)  # put back afterwards
+    monkeypatch.setattr(mkl_dispatch, "_amd", mkl_dispatch._amd)
+    monkeypatch.setattr(mkl_dispatch, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(mkl_dispatch, "platform", _Linux())
+    monkeypatch.delenv(mkl_dispatch.ENV, raising=False)
+    assert mkl_dispatch.enable() == "off: torch was imported before the stub could be loaded"
+    assert mkl_dispatch.note() == "mkl: off: torch was imported before the stub could be loaded"
+    monkeypatch.setattr(mkl_dispatch, "cpu_vendor", lambda: "GenuineIntel")
+    mkl_dispatch.enable()
+    assert mkl_dispatch.note() is None  # nothing to say on a CPU the stub is not for
+
+
+class _Linux:
+    @staticmethod
+    def system() -> str:
+        return "Linux"
+
+    @staticmethod
+    def machine() -> str:
+        return "x86_64"
+
+
+# Runs in a fresh interpreter, where torch is not imported yet, as a CLI command would: enable() on
+# a host taken for an AMD one, then torch. Prints what the test checks.
+CHILD = textwrap.dedent("""
+    import ctypes, json, sys
+    from mtrain import mkl_dispatch
+    mkl_dispatch.cpu_vendor = lambda: "AuthenticAMD"
+    status = mkl_dispatch.enable()
+    out = {"status": status}
+    if status.startswith("on:"):
+        import torch
+        out["global_symbol"] = ctypes.CDLL(None).mkl_serv_intel_cpu_true()  # the first one in the global scope
+        torch.manual_seed(0)
+        errors = []
+        for m, k, n in [(513, 256, 1024), (64, 1024, 256), (300, 256, 8000)]:
+            a, b = torch.randn(m, k), torch.randn(k, n)
+            exact = a.double() @ b.double()
+            errors.append(float(((a @ b).double() - exact).abs().max() / exact.abs().max()))
+        out["max_relative_error"] = max(errors)
+    print(json.dumps(out))
+""")
+
+
+def _child(tmp_path: Path, **env: str) -> tuple[dict, str]:
+    environment = {k: v for k, v in os.environ.items() if k not in ("CC", mkl_dispatch.ENV)}
+    environment.update(XDG_CACHE_HOME=str(tmp_path / "cache"), **env)
+    done = subprocess.run([sys.executable, "-c", CHILD], env=environment, capture_output=True, text=True,
+                          timeout=300, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+@pytest.mark.skipif(sys.platform != "linux" or mkl_dispatch.compiler() is None,
+                    reason="needs Linux and a C compiler")
+def test_the_stub_is_built_once_loaded_first_and_matmuls_stay_exact(tmp_path):
+    out, _ = _child(tmp_path)
+    stub = mkl_dispatch.stub_path(tmp_path / "cache" / "mtrain")
+    assert out["status"].startswith("on:") and str(stub) in out["status"]
+    assert out["global_symbol"] == 1
+    assert out["max_relative_error"] < 1e-5  # float32 rounding over sums of up to 1024 products
+    assert [p.name for p in stub.parent.iterdir()] == [stub.name]  # no temporary left beside it
+    built = stub.stat().st_mtime_ns
+    _child(tmp_path)
+    assert stub.stat().st_mtime_ns == built  # the second run loads it as it is
+
+
+@pytest.mark.skipif(sys.platform != "linux" or mkl_dispatch.compiler() is None,
+                    reason="needs Linux and a C compiler")
+def test_libtorch_binds_mkl_vendor_check_to_the_stub(tmp_path):
+    import torch
+
+    libtorch = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    if not libtorch.exists() or b"mkl_serv_intel_cpu_true" not in _dynamic_symbols(libtorch):
+        pytest.skip("this torch build has no MKL vendor check to bind")
+    _, log = _child(tmp_path, LD_DEBUG="bindings")
+    bound = [line.split(" to ", 1)[1] for line in log.splitlines()
+             if "`mkl_serv_intel_cpu_true'" in line and "libtorch_cpu.so [0] to " in line]
+    assert bound and all("/cache/mtrain/mkl-intel-path-" in target for target in bound)
+
+
+def _dynamic_symbols(library: Path) -> bytes:
+    try:
+        return subprocess.run(["nm", "-D", str(library)], capture_output=True, timeout=120).stdout
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip("nm is not available")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="needs Linux")
+def test_a_compiler_that_fails_leaves_mkl_as_it_was(tmp_path):
+    out, _ = _child(tmp_path, CC="false")
+    assert out["status"] == "off: false could not build it (CalledProcessError)"
+    assert not any((tmp_path / "cache" / "mtrain").iterdir())  # nothing half-built left behind
