@@ -6,9 +6,9 @@ the matmuls take slower generic code paths, though the CPU has the AVX2 and FMA 
 use. A one-line shared library whose `mkl_serv_intel_cpu_true` answers 1, loaded into the global
 symbol scope before torch, is found first when libtorch binds that symbol (PyTorch's maintainers give
 the same stub, as LD_PRELOAD, for AMD CPUs). On a 2-core AVX2 EPYC (Zen 3) the training step's
-float32 matmuls then ran at 123-151 GFLOP/s against 112-118, and a training step was 1.05-1.23x as
-fast (docs/benchmarks.md, "MKL's kernels on AMD CPUs"). MKL still picks the kernel's instruction set
-from what the CPU reports, so the results are those of any AVX2 (or AVX-512) machine.
+float32 matmuls then ran at 123-151 GFLOP/s against 112-118, a float32 training step 1.16x as fast
+and float32 beam search 1.25x (docs/benchmarks.md, "MKL's kernels on AMD CPUs"). MKL still picks
+the instruction set from what the CPU reports, as it does on an Intel CPU.
 
 `enable()` builds the stub with the C compiler (once, into the user's cache folder) and loads it; it
 must run before torch is imported, so the CLI calls it before any command imports torch. Without a C
