@@ -59,9 +59,9 @@ def reason_to_skip(vendor: str | None, setting: str | None, machine: str, system
 
 
 def cache_dir() -> Path:
-    """$XDG_CACHE_HOME/mtrain, or ~/.cache/mtrain."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mtrain"
+    """$XDG_CACHE_HOME/mtrain, or ~/.cache/mtrain (RuntimeError where there is no home folder)."""
+    base = os.environ.get("XDG_CACHE_HOME")
+    return (Path(base) if base else Path.home() / ".cache") / "mtrain"
 
 
 def stub_path(folder: Path) -> Path:
@@ -114,11 +114,14 @@ def _enable() -> str:
         return skip
     if "torch" in sys.modules:
         return "off: torch was imported before the stub could be loaded"
-    path = stub_path(cache_dir())
+    try:
+        path = stub_path(cache_dir())
+    except RuntimeError:
+        return "off: no home folder to keep the stub in (set XDG_CACHE_HOME)"
     try:
         failed = None if path.exists() else build_stub(path)
     except OSError as err:
-        failed = f"cannot write {path.parent} ({err.strerror})"
+        failed = f"cannot write {path.parent} ({err.strerror or err})"
     if failed:
         return f"off: {failed}"
     try:

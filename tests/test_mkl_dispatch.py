@@ -88,7 +88,8 @@ CHILD = textwrap.dedent("""
 
 def _child(tmp_path: Path, **env: str) -> tuple[dict, str]:
     environment = {k: v for k, v in os.environ.items() if k not in ("CC", mkl_dispatch.ENV)}
-    environment.update(XDG_CACHE_HOME=str(tmp_path / "cache"), **env)
+    environment["XDG_CACHE_HOME"] = str(tmp_path / "cache")
+    environment.update(env)
     done = subprocess.run([sys.executable, "-c", CHILD], env=environment, capture_output=True, text=True,
                           timeout=300, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
@@ -134,3 +135,12 @@ def test_a_compiler_that_fails_leaves_mkl_as_it_was(tmp_path):
     out, _ = _child(tmp_path, CC="false")
     assert out["status"] == "off: false could not build it (CalledProcessError)"
     assert not any((tmp_path / "cache" / "mtrain").iterdir())  # nothing half-built left behind
+
+
+@pytest.mark.skipif(sys.platform != "linux" or mkl_dispatch.compiler() is None,
+                    reason="needs Linux and a C compiler")
+def test_a_cache_folder_that_cannot_be_made_is_one_line(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out, _ = _child(tmp_path, XDG_CACHE_HOME=str(blocker))
+    assert out["status"].startswith(f"off: cannot write {blocker / 'mtrain'} (")
