@@ -82,6 +82,7 @@ CHILD = textwrap.dedent("""
             exact = a.double() @ b.double()
             errors.append(float(((a @ b).double() - exact).abs().max() / exact.abs().max()))
         out["max_relative_error"] = max(errors)
+        out["again"] = mkl_dispatch.enable()  # torch is imported now: the stub stays loaded, and says so
     print(json.dumps(out))
 """)
 
@@ -102,6 +103,7 @@ def test_the_stub_is_built_once_loaded_first_and_matmuls_stay_exact(tmp_path):
     stub = mkl_dispatch.stub_path(tmp_path / "cache" / "mtrain")
     assert out["status"].startswith("on:") and str(stub) in out["status"]
     assert out["global_symbol"] == 1
+    assert out["again"] == out["status"]
     assert out["max_relative_error"] < 1e-5  # float32 rounding over sums of up to 1024 products
     assert [p.name for p in stub.parent.iterdir()] == [stub.name]  # no temporary left beside it
     built = stub.stat().st_mtime_ns
