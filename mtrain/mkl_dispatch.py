@@ -98,11 +98,16 @@ def enable() -> str:
     """Load the stub (building it first if needed) where MKL would take its generic kernels; the
     outcome, also kept in `status`, as one line for the log."""
     global status, _amd
-    if status.startswith("on:"):  # loaded already: a second call (a CLI run in-process) changes nothing
+    if loaded():  # loaded already: a second call (a CLI run in-process) changes nothing
         return status
     _amd = cpu_vendor() in VENDORS
     status = _enable()
     return status
+
+
+def loaded() -> bool:
+    """Whether this process loaded the stub: MKL runs its fast kernels on this AMD CPU."""
+    return status.startswith("on:")
 
 
 def note() -> str | None:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from mtrain import checkpoint, probe
+from mtrain import checkpoint, mkl_dispatch, probe
 from mtrain import distributed as dist_utils
 from mtrain.atomic import describe_write_error
 from mtrain.config import Config, replace, to_dict
@@ -304,6 +304,7 @@ class Trainer:
         if why:
             self.log(f"note: {why}, so this run's dropout masks differ from an uninterrupted run's and "
                      "it will not match one bit for bit")
+        self._note_kernel_change(ts.get("mkl_intel_path"))
         self.log(f"resuming from {path}: step {self.state.step}, epoch {self.state.epoch}, "
                  f"batch {self.state.batch_index}/{len(self.stream.batches(self.state.epoch))}, "
                  f"best BLEU {max(self.state.best_bleu, 0.0):.2f}")
@@ -318,6 +319,17 @@ class Trainer:
         if ckpt.get("tokenizer") != self.tokenizer.to_state():
             raise MtrainError(f"{path}: the run was trained with another SentencePiece model than {self.data_dir}'s; "
                               "pass the original --data folder, or a new --out folder")
+
+    def _note_kernel_change(self, fast_before: bool | None) -> None:
+        """A note when MKL ran other kernels before the resume (mtrain.mkl_dispatch): other sums'
+        rounding, so no bit-for-bit match with an uninterrupted run. Checkpoints from before the
+        field say nothing."""
+        now = mkl_dispatch.loaded()
+        if fast_before is None or fast_before == now or self.device.type != "cpu":
+            return
+        kernels = {True: "its fast kernels", False: "its generic kernels"}
+        self.log(f"note: MKL ran {kernels[fast_before]} before this resume and runs {kernels[now]} now "
+                 f"({mkl_dispatch.status}), so this run will not match an uninterrupted one bit for bit")
 
     def _note_train_changes(self, stored: dict[str, Any]) -> None:
         current = to_dict(self.cfg)["train"]
@@ -508,7 +520,8 @@ class Trainer:
         self.state.epoch, self.state.batch_index = self.stream.epoch, self.stream.index
         return {"optimizer": self.optimizer.state_dict(),
                 "scaler": self.scaler.state_dict() if self.scaler is not None else {},
-                "state": dataclasses.asdict(self.state), "rng": rngs, "world_size": self.dist.world_size}
+                "state": dataclasses.asdict(self.state), "rng": rngs, "world_size": self.dist.world_size,
+                "mkl_intel_path": mkl_dispatch.loaded()}
 
     def save_last(self, with_step_file: bool, average: bool = False, failure: MtrainError | None = None) -> None:
         """RUN/step-N.pt (model only, pruned to keep_last and keep_every), RUN/averaged.pt at the end of a run

@@ -22,8 +22,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import pytest
-import torch
+if __name__ == "__main__":  # the harness at the end runs the CLI: as `python -m mtrain` does, MKL's
+    from mtrain import mkl_dispatch  # dispatch stub goes in before torch, so both run the same kernels
+
+    mkl_dispatch.enable()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.n_encoder_layers=1",

@@ -180,6 +180,26 @@ def test_resume_of_a_gpu_run_on_a_cpu_says_its_dropout_masks_differ(copy_data, t
     assert checkpoint.load(tmp_path / "last.pt")["train_state"]["state"]["step"] == 4
 
 
+def test_resume_after_mkl_changed_kernels_says_it_cannot_match_bit_for_bit(copy_data, tmp_path, capsys):
+    """last.pt written where MKL ran other kernels than now (mtrain.mkl_dispatch): the run goes on,
+    and the log says why it cannot match an uninterrupted run bit for bit."""
+    from mtrain import mkl_dispatch
+
+    run(copy_data, tmp_path, "train.max_steps=2", "train.eval_every=2")
+    last = checkpoint.load(tmp_path / "last.pt")
+    assert last["train_state"]["mkl_intel_path"] == mkl_dispatch.loaded()
+    last["train_state"]["mkl_intel_path"] = not mkl_dispatch.loaded()
+    checkpoint.save_atomic(last, tmp_path / "last.pt")
+    capsys.readouterr()
+    run(copy_data, tmp_path, "train.max_steps=4", "train.eval_every=2")
+    err = capsys.readouterr().err
+    assert "note: MKL ran its" in err and "will not match an uninterrupted one bit for bit" in err
+    assert checkpoint.load(tmp_path / "last.pt")["train_state"]["state"]["step"] == 4
+    capsys.readouterr()
+    run(copy_data, tmp_path, "train.max_steps=6", "train.eval_every=2")  # saved as it runs now: no note
+    assert "note: MKL ran" not in capsys.readouterr().err
+
+
 def test_failed_checkpoint_write_keeps_previous_files(copy_data, tmp_path, monkeypatch):
     """Disk full during the second last.pt write: a half-written temp file, then OSError."""
     real_save, calls = torch.save, []
@@ -393,7 +413,8 @@ def test_sigterm_saves_and_resume_matches_uninterrupted(copy_data, tmp_path):
     assert 3 <= stopped_at < 60
     resumed = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
     assert resumed.returncode == 0 and f"resuming from {tmp_path / 'cut' / 'last.pt'}: step {stopped_at}" in resumed.stderr
-    run(copy_data, tmp_path / "whole", *args)
+    whole = [str(tmp_path / "whole") if part == str(tmp_path / "cut") else part for part in command]
+    assert subprocess.run(whole, capture_output=True, text=True, env=env, timeout=120).returncode == 0
     a, b = weights(tmp_path / "whole" / "last.pt"), weights(tmp_path / "cut" / "last.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
