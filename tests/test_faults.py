@@ -22,13 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-if __name__ == "__main__":  # the harness at the end runs the CLI: as `python -m mtrain` does, MKL's
-    from mtrain import mkl_dispatch  # dispatch stub goes in before torch, so both run the same kernels
-
-    mkl_dispatch.enable()
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.n_encoder_layers=1",
@@ -260,9 +255,12 @@ def train_args(data_dir: Path, run_dir: Path, max_steps: int, settings: list[str
 
 
 def child_env() -> dict[str, str]:
-    """One thread; this checkout's mtrain first (this file, run as a script, starts in tests/)."""
+    """One thread; this checkout's mtrain first (this file, run as a script, starts in tests/); MKL's
+    own kernel choice, as in this test process, which imported torch before mtrain.mkl_dispatch
+    could load its stub: runs compared bit for bit must multiply with the same kernels."""
     path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "PYTHONPATH": path}
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "PYTHONPATH": path,
+            "MTRAIN_MKL_INTEL_PATH": "0"}
 
 
 def start(args: list[str], point: KillPoint | None = None, trace: Path | None = None) -> subprocess.Popen:
