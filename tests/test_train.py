@@ -169,15 +169,24 @@ def test_resume_with_other_tokenizer_fails(copy_data, tmp_path):
 def test_resume_of_a_gpu_run_on_a_cpu_says_its_dropout_masks_differ(copy_data, tmp_path, capsys):
     """last.pt as a GPU run writes it (its GPU's generator saved beside the CPU one), resumed on a
     CPU: the run goes on, and the log says why it cannot match the GPU run bit for bit."""
+    def as_a_gpu_run_writes_it(train_state: dict) -> None:
+        train_state["rng"][0]["cuda"] = [torch.zeros(16, dtype=torch.uint8)]
+
+    err = _resume_after_editing_last(copy_data, tmp_path, capsys, as_a_gpu_run_writes_it)
+    assert "note: the checkpoint was written by a run on a GPU" in err and "resuming from" in err
+
+
+def _resume_after_editing_last(copy_data, tmp_path, capsys, edit) -> str:
+    """A 2-step run whose last.pt's train state `edit` changes in place, resumed to step 4: the
+    resumed run's stderr."""
     run(copy_data, tmp_path, "train.max_steps=2", "train.eval_every=2")
     last = checkpoint.load(tmp_path / "last.pt")
-    last["train_state"]["rng"][0]["cuda"] = [torch.zeros(16, dtype=torch.uint8)]
+    edit(last["train_state"])
     checkpoint.save_atomic(last, tmp_path / "last.pt")
     capsys.readouterr()
     run(copy_data, tmp_path, "train.max_steps=4", "train.eval_every=2")
-    err = capsys.readouterr().err
-    assert "note: the checkpoint was written by a run on a GPU" in err and "resuming from" in err
     assert checkpoint.load(tmp_path / "last.pt")["train_state"]["state"]["step"] == 4
+    return capsys.readouterr().err
 
 
 def test_resume_after_mkl_changed_kernels_says_it_cannot_match_bit_for_bit(copy_data, tmp_path, capsys):
@@ -185,17 +194,12 @@ def test_resume_after_mkl_changed_kernels_says_it_cannot_match_bit_for_bit(copy_
     and the log says why it cannot match an uninterrupted run bit for bit."""
     from mtrain import mkl_dispatch
 
-    run(copy_data, tmp_path, "train.max_steps=2", "train.eval_every=2")
-    last = checkpoint.load(tmp_path / "last.pt")
-    assert last["train_state"]["mkl_intel_path"] == mkl_dispatch.loaded()
-    last["train_state"]["mkl_intel_path"] = not mkl_dispatch.loaded()
-    checkpoint.save_atomic(last, tmp_path / "last.pt")
-    capsys.readouterr()
-    run(copy_data, tmp_path, "train.max_steps=4", "train.eval_every=2")
-    err = capsys.readouterr().err
+    def as_the_other_kernels_write_it(train_state: dict) -> None:
+        assert train_state["mkl_intel_path"] == mkl_dispatch.loaded()
+        train_state["mkl_intel_path"] = not mkl_dispatch.loaded()
+
+    err = _resume_after_editing_last(copy_data, tmp_path, capsys, as_the_other_kernels_write_it)
     assert "note: MKL ran its" in err and "will not match an uninterrupted one bit for bit" in err
-    assert checkpoint.load(tmp_path / "last.pt")["train_state"]["state"]["step"] == 4
-    capsys.readouterr()
     run(copy_data, tmp_path, "train.max_steps=6", "train.eval_every=2")  # saved as it runs now: no note
     assert "note: MKL ran" not in capsys.readouterr().err
 
