@@ -100,8 +100,9 @@ def enable() -> str:
     global status, _amd
     if loaded():  # loaded already: a second call (a CLI run in-process) changes nothing
         return status
-    _amd = cpu_vendor() in VENDORS
-    status = _enable()
+    vendor = cpu_vendor()
+    _amd = vendor in VENDORS
+    status = _enable(vendor)
     return status
 
 
@@ -115,8 +116,8 @@ def note() -> str | None:
     return f"mkl: {status}" if _amd else None
 
 
-def _enable() -> str:
-    skip = reason_to_skip(cpu_vendor(), os.environ.get(ENV), platform.machine(), platform.system())
+def _enable(vendor: str | None) -> str:
+    skip = reason_to_skip(vendor, os.environ.get(ENV), platform.machine(), platform.system())
     if skip:
         return skip
     if "torch" in sys.modules:
@@ -135,4 +136,4 @@ def _enable() -> str:
         ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
     except OSError as err:
         return f"off: cannot load {path} ({err})"
-    return f"on: MKL's AVX2/AVX-512 kernels on this {cpu_vendor()} CPU ({path}; {ENV}=0 turns it off)"
+    return f"on: MKL's AVX2/AVX-512 kernels on this {vendor} CPU ({path}; {ENV}=0 turns it off)"

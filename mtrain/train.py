@@ -137,9 +137,7 @@ class Run:
         if not resumed:
             tr.log(f"training {sum(p.numel() for p in tr.model.parameters()):,} parameters on {tr.device} "
                    f"({tr.dist.world_size} process(es)); run folder {tr.run_dir}")
-        tr.log(amp_note(tr.tcfg.amp, tr.amp_dtype, tr.device))  # also on resume: the host may differ
-        if mkl_dispatch.note() and tr.device.type == "cpu":
-            tr.log(mkl_dispatch.note())
+        log_precision(tr)  # also on resume: the host may differ
         note = cooldown_patience_note(tr.tcfg.max_steps, tr.tcfg.cooldown_steps, tr.tcfg.patience)
         if note and not resumed:
             tr.log(note)
@@ -342,6 +340,15 @@ def summarize(trainer: Trainer) -> dict[str, Any]:
     }
 
 
+def log_precision(trainer: Trainer) -> None:
+    """The precision the run trains in and, on a CPU where it matters, the matmul kernels MKL runs
+    (mtrain.mkl_dispatch)."""
+    trainer.log(amp_note(trainer.tcfg.amp, trainer.amp_dtype, trainer.device))
+    kernels = mkl_dispatch.note()
+    if kernels and trainer.device.type == "cpu":
+        trainer.log(kernels)
+
+
 def train(cfg: Config, data_dir: str | Path, run_dir: str | Path | None, device: str = "auto",
           dry_run: bool = False) -> dict[str, Any]:
     """Train (or resume, when run_dir holds last.pt) and return a summary dict."""
@@ -360,9 +367,7 @@ def train(cfg: Config, data_dir: str | Path, run_dir: str | Path | None, device:
             trainer = Trainer(cfg, Path(data_dir), Path(run_dir or "."), torch_device, info)
             if dry_run:
                 summary = summarize(trainer)
-                trainer.log(amp_note(trainer.tcfg.amp, trainer.amp_dtype, trainer.device))
-                if mkl_dispatch.note() and trainer.device.type == "cpu":
-                    trainer.log(mkl_dispatch.note())
+                log_precision(trainer)
                 if info.is_main:
                     print(json.dumps(summary, indent=2))
                 return summary
