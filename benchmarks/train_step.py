@@ -479,6 +479,10 @@ def main(argv: list[str] | None = None) -> dict:
         "matmul_peak_gflops": round(peak, 1),
         "mtrain_peak_fraction": round(rows["mtrain"]["gflops"] / peak, 3),
         "speedup_vs_nn_transformer": round(rows["mtrain"]["tok_s"] / rows["nn.Transformer"]["tok_s"], 3),
+        # each round's ratio: the two models ran minutes apart at most, so drift on a shared host
+        # moves these less than the ratio of the totals; their spread shows how far to trust one run
+        "speedup_vs_nn_transformer_by_round":
+            [round(float(r), 3) for r in seconds["nn.Transformer"].sum(axis=1) / seconds["mtrain"].sum(axis=1)],
         "speedup_vs_nn_transformer_unbucketed":
             round(rows["mtrain"]["tok_s"] / rows["nn.Transformer unbucketed"]["tok_s"], 3),
         "padding_fraction_bucketed": round(rows["mtrain"]["pad"], 3),
@@ -505,6 +509,7 @@ def main(argv: list[str] | None = None) -> dict:
     log(f"fp32 matmul peak (2048^3): {peak:.1f} GFLOP/s; mtrain / nn.Transformer (same batches): "
         f"{result['speedup_vs_nn_transformer']:.2f}x, / nn.Transformer unbucketed: "
         f"{result['speedup_vs_nn_transformer_unbucketed']:.2f}x")
+    log("mtrain / nn.Transformer by round: " + ", ".join(f"{r:.2f}x" for r in result["speedup_vs_nn_transformer_by_round"]))
     if args.json:
         print(json.dumps(result))
     return result
