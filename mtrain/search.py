@@ -45,7 +45,7 @@ class Decoder(Protocol):
     `memory` is whatever encode returns; the searches only index its rows (memory[rows]) and pass
     it back to decode. decode takes (B, t) new target ids, returns (B, t, V) logits (or
     log-probabilities: a log_softmax of them changes nothing) and extends the cache by t tokens.
-    A model that also has decode_states and project (Transformer) is projected to the vocabulary
+    A model that also has decode_states and project (Transformer, Ensemble) is projected to the vocabulary
     in blocks of rows instead (see step_logits)."""
 
     cfg: Any  # .max_len: the longest input the model takes

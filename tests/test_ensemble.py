@@ -12,8 +12,9 @@ import test_search as search_tests
 import torch
 from test_search import random_batch, random_model
 
+from mtrain import search
 from mtrain.ensemble import Ensemble
-from mtrain.search import beam_search, greedy_search
+from mtrain.search import beam_search, greedy_search, step_logits
 from mtrain.tokenizer import BOS_ID
 
 
@@ -56,6 +57,24 @@ def test_cached_decoding_equals_uncached(pair):
 def test_search_properties_hold_for_an_ensemble(pair, check, args):
     """test_search's properties, run on the ensemble instead of one model (on the CPU)."""
     check((pair, torch.device("cpu")), *args)
+
+
+@torch.inference_mode()
+def test_a_search_step_projects_the_ensemble_in_blocks_of_rows(pair, monkeypatch):
+    """Like one model, an ensemble runs its decoders once a step and mixes the members' distributions
+    block by block of rows (search.BLOCK_BYTES): each block is those rows of decode's mixture."""
+    monkeypatch.setattr(search, "BLOCK_BYTES", 4 * pair.cfg.vocab_size * 2)
+    src, _ = random_batch(5, n=5)
+    tokens = torch.full((src.size(0),), BOS_ID)
+    whole = pair.decode(tokens[:, None], pair.encode(src), src, pair.new_cache())[:, -1]
+    blocks = list(step_logits(pair, tokens, pair.encode(src), src, pair.new_cache()))
+    assert [(first, len(block)) for first, block in blocks] == [(0, 2), (2, 2), (4, 1)]
+    torch.testing.assert_close(torch.cat([block for _, block in blocks]), whole, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_projecting_in_blocks_of_rows_changes_no_result(pair, monkeypatch, rows):
+    search_tests.check_blocks_change_nothing(pair, monkeypatch, rows)
 
 
 def test_members_disagree_so_the_ensemble_is_not_one_of_them(pair):

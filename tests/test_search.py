@@ -492,6 +492,12 @@ class DecodeOnly:
 def test_projecting_in_blocks_of_rows_changes_no_result(model, monkeypatch, rows):
     """Searches project the vocabulary a few rows at a time (search.BLOCK_BYTES); every row's choice
     and score is what one block of all rows gives, forced prefixes and n-gram bans included."""
+    check_blocks_change_nothing(model, monkeypatch, rows)
+
+
+def check_blocks_change_nothing(model, monkeypatch, rows: int) -> None:
+    """Greedy and beam search of `model` projecting `rows` rows at a time equal its searches behind
+    decode alone (one block of every row), forced prefixes and n-gram bans included."""
     monkeypatch.setattr(search, "BLOCK_BYTES", 4 * model.cfg.vocab_size * rows)
     whole = DecodeOnly(model)
     for seed in range(3):
