@@ -9,10 +9,12 @@ import json
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from tqdm import tqdm
 
+from mtrain import search
 from mtrain.checkpoint import load_models
 from mtrain.data import Ragged, Split, collate, to_ragged_arrays
 from mtrain.hardware import resolve_device
@@ -31,9 +33,27 @@ def pairs_split(src_ids: list[list[int]], tgt_ids: list[list[int]]) -> Split:
 @torch.inference_mode()
 def score_batch(model: Decoder, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> list[float]:
     """Summed log-probabilities of each row's target tokens (PAD positions excluded), float64 sums."""
-    logits = model.decode(tgt_in, model.encode(src), src).float()
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, tgt_out.unsqueeze(-1)).squeeze(-1)
-    return logp.masked_fill(tgt_out == PAD_ID, 0.0).double().sum(dim=1).tolist()
+    real = (tgt_out != PAD_ID).nonzero(as_tuple=True)  # (rows, positions) of the real target tokens
+    logp = torch.cat([block.gather(1, target[:, None]).squeeze(1) - torch.logsumexp(block, dim=1)
+                      for block, target in real_logits(model, src, tgt_in, tgt_out[real], real)])
+    return torch.zeros(len(tgt_out), dtype=torch.float64).index_add_(0, real[0], logp.double()).tolist()
+
+
+def real_logits(model: Decoder, src: torch.Tensor, tgt_in: torch.Tensor, target: torch.Tensor,
+                real: tuple[torch.Tensor, torch.Tensor]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(float32 logits, targets) of the real positions, a block of rows at a time. A model with
+    decode_states and project (Transformer, Ensemble) runs its decoder once and projects only the real
+    positions, a few MB at a time (search.BLOCK_BYTES), as searches do; any other, all of decode's
+    logits. One tall projection of a whole batch (4096 x 8000 float32 logits) wrote 131 MB that the
+    log-softmax then read back from memory, and MKL ran that tall matmul at half the speed of the same
+    rows in blocks (AVX2 EPYC, docs/benchmarks.md)."""
+    if not (hasattr(model, "decode_states") and hasattr(model, "project")):
+        yield model.decode(tgt_in, model.encode(src), src)[real].float(), target
+        return
+    states = model.decode_states(tgt_in, model.encode(src), src)[real]  # (N, d_model), or one per member
+    rows = max(1, search.BLOCK_BYTES // (4 * model.cfg.vocab_size))
+    for first in range(0, len(target), rows):
+        yield model.project(states[first : first + rows]).float(), target[first : first + rows]
 
 
 def encode_pairs(tokenizer: Tokenizer, sources: list[str], targets: list[str],

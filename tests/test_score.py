@@ -10,10 +10,11 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_search import random_model
+from test_search import DecodeOnly, random_model
 from test_translate import checkpoint, tokenizer  # noqa: F401 (fixtures)
 from typer.testing import CliRunner
 
+from mtrain import search
 from mtrain.cli import app
 from mtrain.data import TokenizedData, collate, target_tokens
 from mtrain.ensemble import Ensemble
@@ -56,6 +57,41 @@ def test_an_ensemble_scores_the_log_of_the_mean_probability():
         probs = [torch.softmax(m(src[row : row + 1], tgt_in[row : row + 1, :n]).double(), -1)[0] for m in (a, b)]
         want = sum(math.log((probs[0][t, y] + probs[1][t, y]) / 2) for t, y in enumerate(tgt_out[row, :n].tolist()))
         assert got[row] == pytest.approx(want, abs=1e-4)
+
+
+class CountingRows:
+    """A model whose project records how many rows it was given."""
+
+    def __init__(self, model) -> None:
+        self.model, self.cfg, self.rows = model, model.cfg, []
+
+    def encode(self, src):
+        return self.model.encode(src)
+
+    def decode_states(self, tgt, memory, src, cache=None):
+        return self.model.decode_states(tgt, memory, src, cache)
+
+    def project(self, states):
+        self.rows.append(states.size(0))
+        return self.model.project(states)
+
+
+@pytest.mark.parametrize("members", [1, 2])
+@torch.inference_mode()
+def test_scores_come_from_the_real_positions_a_block_at_a_time(monkeypatch, members):
+    """Scoring projects only the real target positions, a few rows at a time (search.BLOCK_BYTES),
+    and gives what all of decode's logits at once give: for one model and for an ensemble."""
+    model = random_model(1) if members == 1 else Ensemble([random_model(1), random_model(2)])
+    targets = [[9, 4, 10, 5, 6], [6], [], [7, 7]]
+    src, tgt_in, tgt_out = collate(pairs_split([[5, 6, 7], [8], [9, 4], [10, 11, 5, 6]], targets), [0, 1, 2, 3])
+    want = score_batch(DecodeOnly(model), src, tgt_in, tgt_out)
+    monkeypatch.setattr(search, "BLOCK_BYTES", 4 * model.cfg.vocab_size * 3)
+    counting = CountingRows(model)
+    got = score_batch(counting, src, tgt_in, tgt_out)
+    assert got == pytest.approx(want, abs=1e-5)
+    assert sum(len(t) + 1 for t in targets) == 12  # real positions: the pieces and EOS
+    assert counting.rows == [3, 3, 3, 3]  # no padding (the batch is 4 x 6)
+    assert tgt_out.numel() == 24
 
 
 def score(*args):
