@@ -36,7 +36,8 @@ def score_batch(model: Decoder, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out
     real = (tgt_out != PAD_ID).nonzero(as_tuple=True)  # (rows, positions) of the real target tokens
     logp = torch.cat([block.gather(1, target[:, None]).squeeze(1) - torch.logsumexp(block, dim=1)
                       for block, target in real_logits(model, src, tgt_in, tgt_out[real], real)])
-    return torch.zeros(len(tgt_out), dtype=torch.float64).index_add_(0, real[0], logp.double()).tolist()
+    sums = torch.zeros(len(tgt_out), dtype=torch.float64, device=tgt_out.device)
+    return sums.index_add_(0, real[0], logp.double()).tolist()
 
 
 def real_logits(model: Decoder, src: torch.Tensor, tgt_in: torch.Tensor, target: torch.Tensor,

@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import DEVICES
 from test_search import DecodeOnly, random_model
 from test_translate import checkpoint, tokenizer  # noqa: F401 (fixtures)
 from typer.testing import CliRunner
@@ -76,14 +77,17 @@ class CountingRows:
         return self.model.project(states)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("members", [1, 2])
 @torch.inference_mode()
-def test_scores_come_from_the_real_positions_a_block_at_a_time(monkeypatch, members):
+def test_scores_come_from_the_real_positions_a_block_at_a_time(monkeypatch, members, device):
     """Scoring projects only the real target positions, a few rows at a time (search.BLOCK_BYTES),
     and gives what all of decode's logits at once give: for one model and for an ensemble."""
-    model = random_model(1) if members == 1 else Ensemble([random_model(1), random_model(2)])
+    models = [random_model(seed).to(device) for seed in range(1, members + 1)]
+    model = models[0] if members == 1 else Ensemble(models)
     targets = [[9, 4, 10, 5, 6], [6], [], [7, 7]]
-    src, tgt_in, tgt_out = collate(pairs_split([[5, 6, 7], [8], [9, 4], [10, 11, 5, 6]], targets), [0, 1, 2, 3])
+    batch = pairs_split([[5, 6, 7], [8], [9, 4], [10, 11, 5, 6]], targets)
+    src, tgt_in, tgt_out = collate(batch, [0, 1, 2, 3], device=torch.device(device))
     want = score_batch(DecodeOnly(model), src, tgt_in, tgt_out)
     monkeypatch.setattr(search, "BLOCK_BYTES", 4 * model.cfg.vocab_size * 3)
     counting = CountingRows(model)
