@@ -48,13 +48,12 @@ def real_logits(model: Decoder, src: torch.Tensor, tgt_in: torch.Tensor, target:
     logits. One tall projection of a whole batch (4096 x 8000 float32 logits) wrote 131 MB that the
     log-softmax then read back from memory, and MKL ran that tall matmul at half the speed of the same
     rows in blocks (AVX2 EPYC, docs/benchmarks.md)."""
-    if not (hasattr(model, "decode_states") and hasattr(model, "project")):
+    if not search.projects_in_blocks(model):
         yield model.decode(tgt_in, model.encode(src), src)[real].float(), target
         return
     states = model.decode_states(tgt_in, model.encode(src), src)[real]  # (N, d_model), or one per member
-    rows = max(1, search.BLOCK_BYTES // (4 * model.cfg.vocab_size))
-    for first in range(0, len(target), rows):
-        yield model.project(states[first : first + rows]).float(), target[first : first + rows]
+    for first, logits in search.projected_blocks(model, states):
+        yield logits.float(), target[first : first + len(logits)]
 
 
 def encode_pairs(tokenizer: Tokenizer, sources: list[str], targets: list[str],

@@ -164,14 +164,25 @@ def step_logits(model: Decoder, tokens: Tensor, memory: Any, src: Tensor, cache,
     `blocks`, each is upcast into that one buffer). A model with decode_states and project runs the
     decoder once and the output projection block by block; any other, one block of all rows."""
     tgt = tokens.unsqueeze(1)
-    if not (hasattr(model, "decode_states") and hasattr(model, "project")):
+    if not projects_in_blocks(model):
         yield 0, model.decode(tgt, memory, src, cache)[:, -1].float()
         return
     upcast = blocks.upcast if blocks is not None else Tensor.float
-    states = model.decode_states(tgt, memory, src, cache)[:, -1]
+    for first, logits in projected_blocks(model, model.decode_states(tgt, memory, src, cache)[:, -1]):
+        yield first, upcast(logits)
+
+
+def projects_in_blocks(model: Any) -> bool:
+    """Whether the model splits decode into decode_states and project (Transformer, Ensemble)."""
+    return hasattr(model, "decode_states") and hasattr(model, "project")
+
+
+def projected_blocks(model: Any, states: Any) -> Iterator[tuple[int, Tensor]]:
+    """(first row, the model's logits of rows first..first+n-1) for (N, d_model) states, a block of
+    at most BLOCK_BYTES of float32 logits at a time."""
     rows = max(1, BLOCK_BYTES // (4 * model.cfg.vocab_size))
     for first in range(0, states.size(0), rows):
-        yield first, upcast(model.project(states[first : first + rows]))
+        yield first, model.project(states[first : first + rows])
 
 
 def bans_in(bans: tuple[Tensor, Tensor], first: int, n: int) -> tuple[Tensor, Tensor]:
