@@ -14,6 +14,8 @@ With lse = log sum_k exp(x_k), -log p[k] = lse - x_k, so per position
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -155,6 +157,12 @@ def _project(h: Tensor, w: Tensor) -> tuple[Tensor, Tensor | None]:
     return torch.mm(h, w.t(), out=logits), buffer
 
 
+def _project_rows(h: Tensor, w: Tensor, rows: Tensor) -> Tensor:
+    """The logits of these rows of h, in h's dtype."""
+    with torch.autocast(h.device.type, enabled=False):
+        return h[rows] @ w.t()
+
+
 # A row's log sum exp(x) taken without its maximum subtracted is exact up to rounding while every
 # term that matters is a normal float32: float32 exp overflows above 88.7 and leaves the normal range
 # below -87.3, and the terms that move a sum of e^-60 by float32's 2^-24 (over a vocabulary of 8000:
@@ -168,16 +176,23 @@ def _plain_sums(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def _shifted_where_out_of_range(lse: Tensor, logits: Tensor) -> None:
+def _shifted_where_out_of_range(lse: Tensor, vocab: int, logits_of: Callable[[Tensor], Tensor],
+                                probabilities: Tensor | None) -> Tensor:
     """In place: each row's log-sum-exp outside PLAIN_LSE_RANGE (or not finite) recomputed from
-    its logits with the row maximum subtracted first."""
+    its logits (logits_of(rows)) with the row maximum subtracted first. Where `probabilities` holds
+    the rows' exp(logits) (in place of the logits), those rows get softmax(logits) instead. Returns
+    the rows redone."""
     low, high = PLAIN_LSE_RANGE
     redo = (~((lse >= low) & (lse <= high))).nonzero().squeeze(1)
-    step = _chunk_rows(logits.size(1), logits.device)  # a chunk's worth at a time, however many rows are out
+    step = _chunk_rows(vocab, lse.device)  # a chunk's worth at a time, however many rows are out
     for start in range(0, redo.numel(), step):
         rows = redo[start : start + step]
-        x = logits[rows].to(lse.dtype)
-        lse[rows] = logsumexp_(x, x.amax(1, keepdim=True)).squeeze(1)  # a non-finite row stays non-finite
+        x = logits_of(rows).to(lse.dtype)
+        peak = x.amax(1, keepdim=True)
+        lse[rows] = logsumexp_(x.clone() if probabilities is not None else x, peak).squeeze(1)  # a non-finite row stays non-finite
+        if probabilities is not None:
+            probabilities[rows] = x.sub_(lse[rows, None]).exp_()
+    return redo
 
 
 class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
@@ -187,14 +202,17 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
     four times the FFN's hidden layer), and every pass over them in float32 runs at memory speed:
     upcasting bf16 logits, exp, the row sums and the backward's passes each
     read and write ~120 MB, ~1.2 GB a step in all, ~15% of a bf16 step on a 2-core CPU. Here the
-    logits stay in the matmul's dtype and are walked in row chunks of about a core's L2 cache (on a CPU):
-    each chunk is upcast, reduced and exponentiated while in cache. The forward keeps only each
-    row's log-sum-exp; the backward recomputes softmax(x) = exp(x - lse) chunk by chunk and writes
-    the gradient over the logits, in place, then runs the two matmuls of the projection's
-    backward. float32 logits need no upcast, so they are read and overwritten where they lie: a
-    float32 step ran 1.022x as fast as with a copy of each chunk both ways (small shape, 2-core AMX
-    host). Values equal label_smoothed_loss's; the gradient differs by rounding only (exp(x - lse)
-    instead of exp(x - max) / sum)."""
+    logits are walked in row chunks of about a core's L2 cache (on a CPU): each chunk is upcast,
+    reduced and exponentiated while in cache, and the backward writes the gradient over the
+    logits, in place, then runs the two matmuls of the projection's backward.
+
+    Logits as wide as the sums (float32) are read and overwritten where they lie: the forward turns
+    them into exp(x - c) (c = 0, or the row maximum) and keeps each row's 1 / sum, so the backward's
+    softmax is one multiply, with no second exp and subtraction: at 3900 x 256 x 8000 the loss's
+    forward and backward took 466 against 495 ms (medians of 20, 2-core AVX2 EPYC), about 1.7% of
+    a float32 training step (docs/benchmarks.md). Narrower logits (bfloat16) stay as they are, an upcast copy of each chunk
+    is reduced, and the backward recomputes softmax(x) = exp(x - lse) chunk by chunk. Values equal
+    label_smoothed_loss's; the gradient differs by rounding only."""
 
     @staticmethod
     def forward(ctx, states: Tensor, weight: Tensor, target: Tensor, eps: float,
@@ -204,37 +222,40 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
             h, w = _zero_padded_rows(states.to(dtype), -(-n // ROW_MULTIPLE) * ROW_MULTIPLE), weight.to(dtype)
             logits, ctx.buffer = _project(h, w)  # (N rounded up, V); the rows from n on are zero and stay out of the loss
         wide = torch.float64 if dtype == torch.float64 else torch.float32
-        vocab = logits.size(1)
-        lse = logits.new_empty(n, dtype=wide)
+        in_place = logits.dtype == wide
+        picked = logits[:n].gather(1, target[:, None]).squeeze(1).to(wide)  # before exp overwrites them; exact
+        sums = logits.new_empty(n, dtype=wide)
         mean = logits.new_empty(n, dtype=wide) if eps else None
-        # Logits already wide are read in place, and exp writes into one chunk's scratch; narrower
-        # ones are upcast chunk by chunk into a copy that exp then overwrites. Each chunk's
-        # reductions go straight into the per-row tensors (out=), and the sums over rows follow the
-        # loop: about 60 chunks a step, each of which had cost some 20 small ops. On a CPU the sums
-        # of exp take no maximum out first, which saves two passes per chunk: rows where that could
-        # over- or underflow are summed again with it (_shifted_where_out_of_range). Elsewhere the
-        # maxima go first, as finding those rows would stop the host until the device catches up.
+        # Each chunk's reductions go straight into the per-row tensors (out=), and the sums over rows
+        # follow the loop: about 60 chunks a step, each of which had cost some 20 small ops. On a CPU
+        # the sums of exp take no maximum out first, which saves two passes per chunk: rows where
+        # that could over- or underflow are summed again with it (_shifted_where_out_of_range).
+        # Elsewhere the maxima go first, as finding those rows would stop the host until the device
+        # catches up.
         peak = None if _plain_sums(logits.device) else logits.new_empty(n, 1, dtype=wide)
-        scratch = logits.new_empty(min(n, _chunk_rows(vocab, logits.device)) * vocab) if logits.dtype == wide else None
-        for rows in _row_chunks(n, vocab, logits.device):
-            x = logits[rows] if scratch is not None else logits[rows].to(wide, copy=True)
+        for rows in _row_chunks(n, logits.size(1), logits.device):
+            x = logits[rows] if in_place else logits[rows].to(wide, copy=True)
             if eps:
                 torch.mean(x, 1, out=mean[rows])
-            exps = x if scratch is None else scratch[: x.numel()].view_as(x)
-            if peak is None:
-                torch.exp(x, out=exps)
-            else:
+            if peak is not None:
                 torch.amax(x, 1, keepdim=True, out=peak[rows])
-                torch.sub(x, peak[rows], out=exps).exp_()
-            torch.sum(exps, 1, out=lse[rows])
+                x.sub_(peak[rows])
+            torch.sum(x.exp_(), 1, out=sums[rows])
+        lse = sums.log()
+        inverse_sums = sums.reciprocal_() if in_place else None  # each row's softmax: exps * 1 / sum
         if peak is None:
-            _shifted_where_out_of_range(lse.log_(), logits[:n])
+            # exp overwrote float32 logits: their out-of-range rows are projected again
+            redo = _shifted_where_out_of_range(
+                lse, logits.size(1), functools.partial(_project_rows, h, w) if in_place else logits.__getitem__,
+                logits if in_place else None)
+            if in_place:
+                inverse_sums[redo] = 1.0  # those rows hold their softmax already
         else:
-            lse.log_().add_(peak.squeeze(1))
-        nll_sum = (lse - logits[:n].gather(1, target[:, None]).squeeze(1)).sum()  # the upcast is exact
+            lse.add_(peak.squeeze(1))
+        nll_sum = (lse - picked).sum()
         # a separate output (clone): nll_sum is marked non-differentiable
         loss_sum = nll_sum.clone() if mean is None else (1.0 - eps) * nll_sum + eps * (lse - mean).sum()
-        ctx.save_for_backward(h, w, logits, lse, target)
+        ctx.save_for_backward(h, w, logits, lse, inverse_sums, target)
         ctx.eps, ctx.dtypes, ctx.spent = eps, (states.dtype, weight.dtype), False
         ctx.mark_non_differentiable(nll_sum)
         return loss_sum, nll_sum
@@ -244,23 +265,25 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         if ctx.spent:  # the logits were turned into their gradient by the first backward
             raise RuntimeError("projected_label_smoothed_loss supports one backward per forward (no retain_graph)")
         ctx.spent = True
-        h, w, logits, lse, target = ctx.saved_tensors
+        h, w, logits, lse, inverse_sums, target = ctx.saved_tensors
         eps, g = ctx.eps, grad_loss.to(lse.dtype)
         n, vocab = lse.size(0), logits.size(1)
         logits[n:] = 0  # the padding rows' gradient: zero, so they add nothing to either matmul below
-        wide = logits.dtype == lse.dtype  # then the gradient is made in place, with no copy either way
         rows_per_chunk = _chunk_rows(vocab, lse.device)
         # each row's target, as an index into its chunk's flat gradient
         picked = torch.arange(n, device=lse.device).remainder_(rows_per_chunk).mul_(vocab).add_(target)
         minus_picked = (-(1.0 - eps) * g).expand(rows_per_chunk)
         floor = g * (eps / vocab)
+        row_scale = None if inverse_sums is None else inverse_sums.mul_(g)[:, None]
         for rows in _row_chunks(n, vocab, lse.device):
-            x = logits[rows] if wide else logits[rows].to(lse.dtype, copy=True)
-            grad = x.sub_(lse[rows, None]).exp_().mul_(g)  # g * softmax(x)
+            if row_scale is not None:  # the logits hold exp(x - c): g * softmax(x) is one multiply
+                grad = logits[rows].mul_(row_scale[rows])
+            else:
+                grad = logits[rows].to(lse.dtype, copy=True).sub_(lse[rows, None]).exp_().mul_(g)
             if eps:
                 grad.sub_(floor)
             grad.view(-1).index_add_(0, picked[rows], minus_picked[: grad.size(0)])
-            if not wide:
+            if row_scale is None:
                 logits[rows] = grad  # rounded to the logits' dtype, in place
         with torch.autocast(h.device.type, enabled=False):
             grad_states = (logits @ w)[:n] if ctx.needs_input_grad[0] else None
