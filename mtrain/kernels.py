@@ -307,34 +307,78 @@ class _BatchedAttention(torch.autograd.Function):
         else:
             q = q.reshape(B * H, T, D)
             k, v = _one_buffer(2, k, B * H, S, D, copies_of=(k, v))
-        scale = D ** -0.5
-        scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)
-        if is_causal:
-            scores.masked_fill_(torch.ones(T, S, dtype=torch.bool, device=q.device).triu_(1), NEG_INF)
-        if mask is not None:
-            scores.view(B, H, T, S).masked_fill_(~mask, NEG_INF)
-        weights = torch.softmax(scores, dim=-1).nan_to_num_(nan=0.0)  # a row of -inf: 0, not NaN
-        ctx.save_for_backward(q, k, v, weights)
-        ctx.scale = scale
-        return torch.bmm(weights, v).view(B, H, T, D)
+        y = _attention_forward(ctx, q, k, v, None if mask is None else (mask, (B, H, T, S)), is_causal)
+        return y.view(B, H, T, D)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:
-        q, k, v, weights = ctx.saved_tensors
+        q, k = ctx.saved_tensors[:2]
         B, H, T, D = grad.shape
         S = k.size(1)
-        grad = grad.reshape(B * H, T, D)
-        grad_scores = torch._softmax_backward_data(torch.bmm(grad, v.transpose(1, 2)), weights, -1, weights.dtype)
-        grad_scores.mul_(ctx.scale)
         if T == S:
             grad_q, grad_k, grad_v = _one_buffer(3, q, B * H, T, D)
         else:
             grad_q = torch.empty_like(q)
             grad_k, grad_v = _one_buffer(2, k, B * H, S, D)
-        torch.bmm(grad_scores, k, out=grad_q)
-        torch.bmm(grad_scores.transpose(1, 2), q, out=grad_k)
-        torch.bmm(weights.transpose(1, 2), grad, out=grad_v)
+        _attention_backward(ctx, grad.reshape(B * H, T, D), grad_q, grad_k, grad_v)
         return grad_q.view(B, H, T, D), grad_k.view(B, H, S, D), grad_v.view(B, H, S, D), None, None
+
+
+def heads_attention(q: Tensor, kv: Tensor | None, mask: Tensor | None, is_causal: bool) -> Tensor:
+    """batched_attention on heads laid out as mtrain.packing.Packing.to_heads gives them, heads
+    before sentences: q (3, H * B, T, d_head) holding Q, K and V for self-attention (kv None), or
+    q (1, H * B, T, d_head) and kv (2, H * B, S, d_head) for cross-attention. mask broadcasts to
+    (B, 1, T, S). Returns (H * B, T, d_head). Q, K and V are read where they lie and their
+    gradients come back as one tensor per input, so neither direction copies them again."""
+    return _HeadsAttention.apply(q, kv, mask, is_causal)
+
+
+class _HeadsAttention(torch.autograd.Function):
+    """_BatchedAttention's arithmetic on heads_attention's layout."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, kv: Tensor | None, mask: Tensor | None, is_causal: bool) -> Tensor:
+        (q_, k, v), T = (q.unbind(0) if kv is None else (q[0], *kv.unbind(0))), q.size(2)
+        if mask is not None:
+            batch = mask.size(0)
+            mask = (mask.transpose(0, 1), (q.size(1) // batch, batch, T, k.size(1)))
+        ctx.self_attention = kv is None
+        return _attention_forward(ctx, q_, k, v, mask, is_causal)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor | None, None, None]:
+        q, k = ctx.saved_tensors[:2]
+        grad_q = q.new_empty(3 if ctx.self_attention else 1, *q.shape)
+        grad_kv = grad_q[1:] if ctx.self_attention else k.new_empty(2, *k.shape)
+        _attention_backward(ctx, grad, grad_q[0], grad_kv[0], grad_kv[1])
+        return grad_q, None if ctx.self_attention else grad_kv, None, None
+
+
+def _attention_forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: tuple[Tensor, tuple[int, ...]] | None,
+                       is_causal: bool) -> Tensor:
+    """(G, T, D) queries over (G, S, D) keys and values, saving what _attention_backward needs;
+    mask: (a bool mask, the 4-d shape of the G heads it broadcasts over)."""
+    T, S, D = q.size(1), k.size(1), q.size(2)
+    scale = D ** -0.5
+    scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)
+    if is_causal:
+        scores.masked_fill_(torch.ones(T, S, dtype=torch.bool, device=q.device).triu_(1), NEG_INF)
+    if mask is not None:
+        scores.view(mask[1]).masked_fill_(~mask[0], NEG_INF)
+    weights = torch.softmax(scores, dim=-1).nan_to_num_(nan=0.0)  # a row of -inf: 0, not NaN
+    ctx.save_for_backward(q, k, v, weights)
+    ctx.scale = scale
+    return torch.bmm(weights, v)
+
+
+def _attention_backward(ctx, grad: Tensor, grad_q: Tensor, grad_k: Tensor, grad_v: Tensor) -> None:
+    """The gradients of _attention_forward for (G, T, D) grad, written into grad_q, grad_k, grad_v."""
+    q, k, v, weights = ctx.saved_tensors
+    grad_scores = torch._softmax_backward_data(torch.bmm(grad, v.transpose(1, 2)), weights, -1, weights.dtype)
+    grad_scores.mul_(ctx.scale)
+    torch.bmm(grad_scores, k, out=grad_q)
+    torch.bmm(grad_scores.transpose(1, 2), q, out=grad_k)
+    torch.bmm(weights.transpose(1, 2), grad, out=grad_v)
 
 
 def _one_buffer(n: int, like: Tensor, *shape: int, copies_of: tuple[Tensor, ...] = ()) -> tuple[Tensor, ...]:

@@ -13,7 +13,8 @@ from torch import Tensor, nn
 from mtrain.cache import BeamCache, KVCache, LayerCache
 from mtrain.config import ModelConfig
 from mtrain.errors import MtrainError
-from mtrain.kernels import Dropout, batched_attention, dropout, dropout_linear, linear, linear_relu_dropout
+from mtrain.kernels import (Dropout, batched_attention, dropout, dropout_linear, heads_attention, linear,
+                            linear_relu_dropout)
 from mtrain.packing import Packing
 
 
@@ -66,6 +67,16 @@ def _batched_on_cpu(q: Tensor, k: Tensor, dropout_p: float) -> bool:
             and (q.requires_grad or k.requires_grad) and not torch.compiler.is_compiling())
 
 
+def _heads_from_rows(x: Tensor, packing: Packing | None, dropout_p: float) -> bool:
+    """Whether attention takes a packed step's rows straight to its heads and back (Packing.to_heads,
+    kernels.heads_attention, Packing.from_heads): a CPU training step in float32 or float64, eager,
+    without attention dropout, as for batched_attention. At the small shape the copies into and out of
+    the grid cost about twice as long as the one gather each way (docs/benchmarks.md)."""
+    return (packing is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+            and dropout_p == 0.0 and torch.is_grad_enabled() and x.requires_grad
+            and not torch.compiler.is_compiling())
+
+
 def bfloat16_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,
                        is_causal: bool) -> Tensor:
     """attend for bfloat16 q, k, v on a CPU: two bfloat16 matmuls (AMX or AVX512-BF16) around a
@@ -108,13 +119,16 @@ class SelfAttention(nn.Module):
         """dropout: the residual dropout on the output (paper 5.4), applied in W^O (dropout_linear).
         packing: x is (N, d_model) rows of that padded batch (mtrain.packing), and so is the output."""
         qkv = linear(self.qkv, x, self.training)
+        p = self.attention_dropout if self.training else 0.0
+        if _heads_from_rows(qkv, packing, p):
+            y = heads_attention(packing.to_heads(qkv, 3, self.n_heads), None, mask, is_causal)
+            return dropout_linear(self.out, packing.from_heads(y), dropout, self.training)
         if packing is not None:
             qkv = packing.to_grid(qkv)
         B, T, _ = qkv.shape
         q, k, v = split_heads(qkv, 3, self.n_heads)
         if cache is not None:
             q, k, v, mask = cache.self_attention(q, k, v, mask)
-        p = self.attention_dropout if self.training else 0.0
         y = attend(q, k, v, mask, p, is_causal)  # (B', H, T', d_head): a cache may fold rows
         y = y.transpose(1, 2).reshape(B, T, x.size(-1))  # concat heads
         return dropout_linear(self.out, y if packing is None else packing.to_rows(y), dropout, self.training)
@@ -142,6 +156,11 @@ class CrossAttention(nn.Module):
         """dropout: the residual dropout on the output (paper 5.4), applied in W^O (dropout_linear).
         packing, memory_packing: x, memory are rows of those padded batches (mtrain.packing)."""
         q = linear(self.q, x, self.training)
+        p = self.attention_dropout if self.training else 0.0
+        if memory_packing is not None and _heads_from_rows(q, packing, p):
+            kv = memory_packing.to_heads(linear(self.kv, memory, self.training), 2, self.n_heads)
+            y = heads_attention(packing.to_heads(q, 1, self.n_heads), kv, mask, False)
+            return dropout_linear(self.out, packing.from_heads(y), dropout, self.training)
         if packing is not None:
             q = packing.to_grid(q)
         B, T, D = q.shape
@@ -150,7 +169,6 @@ class CrossAttention(nn.Module):
             k, v = self.memory_kv(memory, memory_packing)
         else:  # K/V computed on the first cached call, then reused for every step of the sentence
             q, k, v = cache.cross_attention(q, memory, self.memory_kv)
-        p = self.attention_dropout if self.training else 0.0
         y = attend(q, k, v, mask, p).transpose(1, 2).reshape(B, T, D)  # concat heads
         return dropout_linear(self.out, y if packing is None else packing.to_rows(y), dropout, self.training)
 

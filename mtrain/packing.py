@@ -61,6 +61,24 @@ class Packing(NamedTuple):
         """(B, T, C) -> (N, C): the rows' cells."""
         return _ToRows.apply(grid.reshape(self.batch * self.length, -1), self.index, self.gaps)
 
+    def cell_rows(self) -> Tensor:
+        """(B * T,) the row each cell of the grid reads: its own, and row 0 for a gap."""
+        rows = torch.zeros(self.batch * self.length, dtype=torch.long, device=self.index.device)
+        return rows.index_copy_(0, self.index, torch.arange(self.index.numel(), device=self.index.device))
+
+    def to_heads(self, rows: Tensor, parts: int, n_heads: int) -> Tensor:
+        """(N, parts * H * d_head) rows of a fused projection -> (parts, H * B, T, d_head): each
+        part's heads, in the layout attention's batched matmuls read, heads before sentences. One
+        gather, where the grid (to_grid) and the copy out of it into that layout took two passes
+        and a fill. A gap cell holds row 0's values, finite, which the keys' mask hides and no row
+        reads back: its gradient is exactly zero, so the backward skips it."""
+        return _ToHeads.apply(rows, self, parts, n_heads)
+
+    def from_heads(self, heads: Tensor) -> Tensor:
+        """(H * B, T, d_head) heads, heads before sentences -> (N, H * d_head) rows, the heads side
+        by side (concatenated) in each."""
+        return _FromHeads.apply(heads, self)
+
 
 def _grid(rows: Tensor, index: Tensor, gaps: Tensor) -> Tensor:
     """rows (N, C) at the cells `index` of a new (N + gaps, C) grid, zero at `gaps`: each cell
@@ -96,3 +114,42 @@ class _ToRows(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
         index, gaps = ctx.saved_tensors
         return _grid(grad, index, gaps), None, None
+
+
+class _ToHeads(torch.autograd.Function):
+    """Packing.to_heads; the backward gathers each row's gradient from its cell."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, packing: Packing, parts: int, n_heads: int) -> Tensor:
+        n, width = rows.shape
+        d_head = width // (parts * n_heads)
+        ctx.packing, ctx.shape = packing, (n, parts, n_heads, d_head)
+        heads = rows.view(n, parts, n_heads, d_head).permute(1, 2, 0, 3).index_select(2, packing.cell_rows())
+        return heads.view(parts, n_heads * packing.batch, packing.length, d_head)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        n, parts, n_heads, d_head = ctx.shape
+        packing = ctx.packing
+        cells = grad.reshape(parts, n_heads, packing.batch * packing.length, d_head).permute(2, 0, 1, 3)
+        return cells.index_select(0, packing.index).view(n, parts * n_heads * d_head), None, None, None
+
+
+class _FromHeads(torch.autograd.Function):
+    """Packing.from_heads; the backward writes each row's gradient to its cell, zero at the gaps."""
+
+    @staticmethod
+    def forward(ctx, heads: Tensor, packing: Packing) -> Tensor:
+        n_heads = heads.size(0) // packing.batch
+        ctx.packing, ctx.n_heads = packing, n_heads
+        cells = heads.reshape(n_heads, packing.batch * packing.length, heads.size(-1)).permute(1, 0, 2)
+        return cells.index_select(0, packing.index).view(-1, n_heads * heads.size(-1))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        packing, n_heads = ctx.packing, ctx.n_heads
+        d_head = grad.size(1) // n_heads
+        heads = grad.new_empty(n_heads, packing.batch * packing.length, d_head)
+        cells = heads.permute(1, 0, 2)
+        cells.index_fill_(0, packing.gaps, 0).index_copy_(0, packing.index, grad.reshape(-1, n_heads, d_head))
+        return heads.view(n_heads * packing.batch, packing.length, d_head), None

@@ -108,6 +108,24 @@ def test_packed_step_equals_the_padded_step(monkeypatch, multiple):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+def test_packed_attention_goes_from_rows_to_heads_without_a_grid(monkeypatch):
+    """In a packed step every attention gathers its Q, K and V from the rows straight into the
+    heads' layout (one Packing.to_heads per projection: Q/K/V of each self-attention, Q and K/V of
+    each cross-attention) and never builds a grid; the step's values and gradients are the padded
+    step's (test_packed_step_equals_the_padded_step runs this path)."""
+    calls = {"to_heads": 0, "to_grid": 0}
+    for name in calls:
+        real = getattr(Packing, name)
+        monkeypatch.setattr(Packing, name, lambda self, *a, _real=real, _name=name: calls.__setitem__(
+            _name, calls[_name] + 1) or _real(self, *a))
+    objective, model = tiny_objective()  # 2 encoder and 2 decoder layers
+    src = padded([7, 3, 1, 5], 7, seed=11)
+    tgt_in, tgt_out = target_batch([4, 6, 1, 2], 6, seed=12)
+    loss, _ = objective(src, tgt_in, tgt_out)
+    loss.backward()
+    assert calls == {"to_heads": 2 + 2 * 3, "to_grid": 0}
+
+
 def test_a_cpu_training_step_runs_its_layers_on_the_real_rows():
     objective, model = tiny_objective(dropout=0.1)
     src = padded([7, 3, 1, 5], 7, seed=7)  # 16 real of 28 cells
