@@ -60,21 +60,19 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: floa
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
 
 
-def _batched_on_cpu(q: Tensor, k: Tensor, dropout_p: float) -> bool:
+def _batched_on_cpu(q: Tensor, k: Tensor, dropout_p: float, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
     """Whether float32 attention takes kernels.batched_attention: a CPU training step (gradients
     wanted, eager) without attention dropout, where it is faster than PyTorch's CPU kernel."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and dropout_p == 0.0 and torch.is_grad_enabled()
+    return (q.device.type == "cpu" and q.dtype in dtypes and dropout_p == 0.0 and torch.is_grad_enabled()
             and (q.requires_grad or k.requires_grad) and not torch.compiler.is_compiling())
 
 
 def _heads_from_rows(x: Tensor, packing: Packing | None, dropout_p: float) -> bool:
     """Whether attention takes a packed step's rows straight to its heads and back (Packing.to_heads,
-    kernels.heads_attention, Packing.from_heads): a CPU training step in float32 or float64, eager,
-    without attention dropout, as for batched_attention. At the small shape the copies into and out of
-    the grid cost about twice as long as the one gather each way (docs/benchmarks.md)."""
-    return (packing is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
-            and dropout_p == 0.0 and torch.is_grad_enabled() and x.requires_grad
-            and not torch.compiler.is_compiling())
+    kernels.heads_attention, Packing.from_heads): where batched_attention runs, and in float64 too.
+    At the small shape the copies into and out of the grid cost about twice as long as the one
+    gather each way (docs/benchmarks.md)."""
+    return packing is not None and _batched_on_cpu(x, x, dropout_p, (torch.float32, torch.float64))
 
 
 def bfloat16_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,
