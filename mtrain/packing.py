@@ -33,6 +33,7 @@ class Packing(NamedTuple):
     real: int  # the first `real` rows hold tokens; the rest are padding cells that round N up
     batch: int  # B
     length: int  # T
+    cell_rows: Tensor  # (B * T,) the row each cell of the grid reads: its own, and row 0 for a gap (to_heads)
 
     @classmethod
     def of(cls, ids: Tensor, pad_id: int, multiple: int = ROW_MULTIPLE) -> Packing:
@@ -42,7 +43,10 @@ class Packing(NamedTuple):
         is_pad = ids.reshape(-1) == pad_id
         real, pads = (~is_pad).nonzero().squeeze(1), is_pad.nonzero().squeeze(1)
         extra = min(-real.numel() % multiple, pads.numel())
-        return cls(torch.cat([real, pads[:extra]]), pads[extra:], real.numel(), batch, length)
+        index = torch.cat([real, pads[:extra]])
+        cell_rows = torch.zeros(batch * length, dtype=torch.long, device=ids.device)
+        cell_rows.index_copy_(0, index, torch.arange(index.numel(), device=ids.device))
+        return cls(index, pads[extra:], real.numel(), batch, length, cell_rows)
 
     def positions(self) -> Tensor:
         """(N,) each row's position in its sentence (0 .. T - 1)."""
@@ -60,11 +64,6 @@ class Packing(NamedTuple):
     def to_rows(self, grid: Tensor) -> Tensor:
         """(B, T, C) -> (N, C): the rows' cells."""
         return _ToRows.apply(grid.reshape(self.batch * self.length, -1), self.index, self.gaps)
-
-    def cell_rows(self) -> Tensor:
-        """(B * T,) the row each cell of the grid reads: its own, and row 0 for a gap."""
-        rows = torch.zeros(self.batch * self.length, dtype=torch.long, device=self.index.device)
-        return rows.index_copy_(0, self.index, torch.arange(self.index.numel(), device=self.index.device))
 
     def to_heads(self, rows: Tensor, parts: int, n_heads: int) -> Tensor:
         """(N, parts * H * d_head) rows of a fused projection -> (parts, H * B, T, d_head): each
@@ -124,7 +123,7 @@ class _ToHeads(torch.autograd.Function):
         n, width = rows.shape
         d_head = width // (parts * n_heads)
         ctx.packing, ctx.shape = packing, (n, parts, n_heads, d_head)
-        heads = rows.view(n, parts, n_heads, d_head).permute(1, 2, 0, 3).index_select(2, packing.cell_rows())
+        heads = rows.view(n, parts, n_heads, d_head).permute(1, 2, 0, 3).index_select(2, packing.cell_rows)
         return heads.view(parts, n_heads * packing.batch, packing.length, d_head)
 
     @staticmethod
