@@ -82,8 +82,12 @@ class Packing(NamedTuple):
 def _grid(rows: Tensor, index: Tensor, gaps: Tensor) -> Tensor:
     """rows (N, C) at the cells `index` of a new (N + gaps, C) grid, zero at `gaps`: each cell
     written once (zeroing the whole grid first took a third of the time)."""
-    grid = rows.new_empty(index.numel() + gaps.numel(), rows.size(1))
-    return grid.index_fill_(0, gaps, 0).index_copy_(0, index, rows)
+    return _fill_cells(rows.new_empty(index.numel() + gaps.numel(), rows.size(1)), index, gaps, rows)
+
+
+def _fill_cells(cells: Tensor, index: Tensor, gaps: Tensor, rows: Tensor) -> Tensor:
+    """cells (cells, ...) with rows (N, ...) written at `index` and zero at `gaps`, in place."""
+    return cells.index_fill_(0, gaps, 0).index_copy_(0, index, rows)
 
 
 class _ToGrid(torch.autograd.Function):
@@ -149,6 +153,5 @@ class _FromHeads(torch.autograd.Function):
         packing, n_heads = ctx.packing, ctx.n_heads
         d_head = grad.size(1) // n_heads
         heads = grad.new_empty(n_heads, packing.batch * packing.length, d_head)
-        cells = heads.permute(1, 0, 2)
-        cells.index_fill_(0, packing.gaps, 0).index_copy_(0, packing.index, grad.reshape(-1, n_heads, d_head))
+        _fill_cells(heads.permute(1, 0, 2), packing.index, packing.gaps, grad.reshape(-1, n_heads, d_head))
         return heads.view(n_heads * packing.batch, packing.length, d_head), None
