@@ -3,6 +3,11 @@ must equal the step on the padded batch."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -143,13 +148,38 @@ def test_a_cpu_training_step_runs_its_layers_on_the_real_rows():
     assert seen == [(128, 32), (128, 32)]  # 104 real target rows rounded up to 128
 
 
-def test_bfloat16_autocast_keeps_the_padded_step():
+def test_a_bfloat16_autocast_step_runs_packed_and_equals_the_padded_step_to_bfloat16_rounding(monkeypatch):
+    """Under CPU bfloat16 autocast the layers see the real rows too. Each real position's
+    arithmetic is the padded step's, in the same bfloat16, but a matmul over fewer rows may sum in
+    another order: the loss and gradients agree to a few of bfloat16's 2^-8 steps."""
     objective, model = tiny_objective()
     model.float()
-    src = padded([7, 3, 1, 5], 7, seed=9)
+    src = padded([7, 3, 1, 5], 7, seed=9)  # 16 real of 28 cells
     tgt_in, tgt_out = target_batch([4, 6, 1, 2], 6, seed=10)
     seen = []
     model.encoder[0].register_forward_pre_hook(lambda module, args: seen.append(tuple(args[0].shape)))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        objective(src, tgt_in, tgt_out)
-    assert seen == [(4, 7, 32)]
+        packed = loss_and_gradients(objective, model, (src, tgt_in, tgt_out))
+        monkeypatch.setattr(loss_module, "packs", lambda ids: False)
+        padded_step = loss_and_gradients(objective, model, (src, tgt_in, tgt_out))
+    assert seen == [(28, 32), (4, 7, 32)]  # 16 rows rounded up to 64 stop at the whole grid
+    torch.testing.assert_close(packed[0], padded_step[0], rtol=1e-3, atol=0)
+    for a, b in zip(packed[2], padded_step[2]):
+        assert a.dtype == torch.float32 and torch.isfinite(a).all()
+        assert (a - b).abs().max() <= 1e-2 * b.abs().max()  # on an AMX Xeon, small shape: 3e-3
+
+
+def test_the_packing_benchmark_times_both_steps_from_one_parity_check():
+    """benchmarks/packing_ab.py end to end at its smallest: the packed and padded steps from the
+    same weights give the same loss and gradients (float32: summation order only), and both are
+    timed."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "packing_ab.py"), "--batches", "1", "--rounds", "1",
+                           "--max-tokens", "256", "--threads", "1", "--json"],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    loss = result["parity"]["loss"]
+    assert loss["packed"] == pytest.approx(loss["padded"], rel=1e-6)
+    assert result["parity"]["max_relative_gradient_difference"] < 1e-5
+    assert result["tok_s"]["packed"] > 0 and result["tok_s"]["padded"] > 0 and result["packed_speedup_median"] > 0

@@ -1,0 +1,135 @@
+"""The CPU training step on the batch's real positions only (mtrain.packing) against the same step
+on the padded batch, alternated batch by batch in one process, so that load from elsewhere on a
+shared machine hits both alike.
+
+    python benchmarks/packing_ab.py --bf16 --threads 2                 # small shape, bfloat16 autocast
+    python benchmarks/packing_ab.py --bf16 --shape base --batches 3    # the paper's base shape
+    python benchmarks/packing_ab.py --threads 2 --json                 # float32
+
+First one step of each from the same weights without dropout: their losses and the largest
+gradient difference relative to the gradient's largest entry (float32: summation order only;
+bfloat16: a few of its 2^-8 rounding steps). Then the timed rounds, warm-up excluded; the order of
+the two alternates from round to round. The batches and model are benchmarks/train_step.py's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import train_step as ts  # noqa: E402  (the same shapes, lengths and batches)
+
+import mtrain.loss as loss_module  # noqa: E402
+from mtrain.loss import Objective  # noqa: E402
+from mtrain.memory import reuse_freed_memory  # noqa: E402
+from mtrain.model import Transformer  # noqa: E402
+
+PACKED, PADDED = loss_module.packs, lambda ids: False
+VARIANTS = {"padded": PADDED, "packed": PACKED}
+
+
+def precision(bf16: bool):
+    return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
+
+def parity(cfg, batch, bf16: bool) -> dict:
+    """One step of each variant from the same weights, dropout off: losses, gradient difference."""
+    model = Transformer(dataclasses.replace(cfg, dropout=0.0)).train()
+    objective = Objective(model, ts.LABEL_SMOOTHING)
+    out = {}
+    for name, packs in VARIANTS.items():
+        loss_module.packs = packs
+        model.zero_grad(set_to_none=True)
+        with precision(bf16):
+            loss, _ = objective(*batch)
+        loss.backward()
+        out[name] = (loss.item(), [p.grad.float().clone() for p in model.parameters()])
+    worst = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+                for a, b in zip(out["packed"][1], out["padded"][1]))
+    return {"loss": {name: out[name][0] for name in out}, "max_relative_gradient_difference": worst}
+
+
+def timed(cfg, batches, bf16: bool, rounds: int) -> tuple[dict[str, list[float]], list[float]]:
+    """Seconds per step of each variant, and padded / packed per batch."""
+    loss_fn, model = ts.mtrain_step_fn(cfg, False)
+    optimizer = ts.mtrain_optimizer(model)
+
+    def step(batch) -> float:
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        with precision(bf16):
+            loss = loss_fn(batch) / int((batch[2] != ts.PAD).sum())
+        loss.backward()
+        optimizer.step()
+        return time.perf_counter() - start
+
+    for packs in VARIANTS.values():  # warm-up: allocator, oneDNN's kernels for these shapes
+        loss_module.packs = packs
+        for batch in batches[:2]:
+            step(batch)
+    seconds = {name: [] for name in VARIANTS}
+    ratios = []
+    for r in range(rounds):
+        for batch in batches:
+            order = list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]
+            took = {}
+            for name in order:
+                loss_module.packs = VARIANTS[name]
+                took[name] = step(batch)
+                seconds[name].append(took[name])
+            ratios.append(took["padded"] / took["packed"])
+    loss_module.packs = PACKED
+    return seconds, ratios
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(ts.SHAPES), default="small")
+    parser.add_argument("--bf16", action="store_true", help="both under bfloat16 autocast (train.amp=bf16)")
+    parser.add_argument("--max-tokens", type=int, default=4096)
+    parser.add_argument("--batches", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    reuse_freed_memory()  # as mtrain train does
+    torch.manual_seed(args.seed)
+    cfg = ts.SHAPES[args.shape]
+    src, tgt, lengths = ts.sample_lengths(8000, args.seed)
+    batches = ts.bucketed_batches(src, tgt, args.max_tokens, args.batches, cfg.vocab_size, args.seed)
+    check = parity(cfg, batches[0], args.bf16)
+    print(f"one step, no dropout: loss padded {check['loss']['padded']:.6f}, packed {check['loss']['packed']:.6f}; "
+          f"largest gradient difference {check['max_relative_gradient_difference']:.3g} of the largest entry",
+          file=sys.stderr)
+    seconds, ratios = timed(cfg, batches, args.bf16, args.rounds)
+    tokens = sum(int((b[2] != ts.PAD).sum()) for b in batches) * args.rounds
+    result = {
+        "shape": args.shape, "precision": "bfloat16 autocast" if args.bf16 else "float32",
+        "threads": torch.get_num_threads(), "batches": len(batches), "rounds": args.rounds, "lengths": lengths,
+        "tok_s": {name: round(tokens / sum(s), 1) for name, s in seconds.items()},
+        "packed_speedup_median": round(statistics.median(ratios), 3),
+        "packed_speedup_mean": round(statistics.mean(ratios), 3),
+        "parity": check, "torch": torch.__version__,
+    }
+    print(f"{args.shape}, {result['precision']}, {result['threads']} threads: target tok/s padded "
+          f"{result['tok_s']['padded']}, packed {result['tok_s']['packed']}; packed / padded per batch: "
+          f"median {result['packed_speedup_median']}x, mean {result['packed_speedup_mean']}x", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
