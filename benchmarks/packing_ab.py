@@ -1,10 +1,12 @@
 """The CPU training step on the batch's real positions only (mtrain.packing) against the same step
 on the padded batch, alternated batch by batch in one process, so that load from elsewhere on a
-shared machine hits both alike.
+shared machine hits both alike. With --attention, both steps packed: attention from the rows
+straight to the heads (mtrain.model.HEADS_FROM_ROWS) against attention through the padded grid.
 
     python benchmarks/packing_ab.py --bf16 --threads 2                 # small shape, bfloat16 autocast
     python benchmarks/packing_ab.py --bf16 --shape base --batches 3    # the paper's base shape
     python benchmarks/packing_ab.py --threads 2 --json                 # float32
+    python benchmarks/packing_ab.py --bf16 --attention --threads 2     # rows to heads against the grid
 
 First one step of each from the same weights without dropout: their losses and the largest
 gradient difference relative to the gradient's largest entry (float32: summation order only;
@@ -29,37 +31,53 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_step as ts  # noqa: E402  (the same shapes, lengths and batches)
 
 import mtrain.loss as loss_module  # noqa: E402
+import mtrain.model as model_module  # noqa: E402
 from mtrain.loss import Objective  # noqa: E402
 from mtrain.memory import reuse_freed_memory  # noqa: E402
 from mtrain.model import Transformer  # noqa: E402
 
 PACKED, PADDED = loss_module.packs, lambda ids: False
-VARIANTS = {"padded": PADDED, "packed": PACKED}
+HEADS = model_module.HEADS_FROM_ROWS
+
+
+def choose(packs, heads_from_rows: tuple[torch.dtype, ...]):
+    """A variant: packing on or off, and the dtypes whose attention goes from rows to heads."""
+    def apply() -> None:
+        loss_module.packs, model_module.HEADS_FROM_ROWS = packs, heads_from_rows
+    return apply
+
+
+# Each comparison: {baseline, candidate}, in that order.
+COMPARISONS = {
+    "packing": {"padded": choose(PADDED, HEADS), "packed": choose(PACKED, HEADS)},
+    "attention": {"grid": choose(PACKED, ()), "heads": choose(PACKED, HEADS)},
+}
 
 
 def precision(bf16: bool):
     return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
-def parity(cfg, batch, bf16: bool) -> dict:
+def parity(cfg, batch, bf16: bool, variants: dict) -> dict:
     """One step of each variant from the same weights, dropout off: losses, gradient difference."""
     model = Transformer(dataclasses.replace(cfg, dropout=0.0)).train()
     objective = Objective(model, ts.LABEL_SMOOTHING)
     out = {}
-    for name, packs in VARIANTS.items():
-        loss_module.packs = packs
+    for name, apply in variants.items():
+        apply()
         model.zero_grad(set_to_none=True)
         with precision(bf16):
             loss, _ = objective(*batch)
         loss.backward()
         out[name] = (loss.item(), [p.grad.float().clone() for p in model.parameters()])
+    baseline, candidate = variants
     worst = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-                for a, b in zip(out["packed"][1], out["padded"][1]))
+                for a, b in zip(out[candidate][1], out[baseline][1]))
     return {"loss": {name: out[name][0] for name in out}, "max_relative_gradient_difference": worst}
 
 
-def timed(cfg, batches, bf16: bool, rounds: int) -> tuple[dict[str, list[float]], list[float]]:
-    """Seconds per step of each variant, and padded / packed per batch."""
+def timed(cfg, batches, bf16: bool, rounds: int, variants: dict) -> tuple[dict[str, list[float]], list[float]]:
+    """Seconds per step of each variant, and baseline / candidate per batch."""
     loss_fn, model = ts.mtrain_step_fn(cfg, False)
     optimizer = ts.mtrain_optimizer(model)
 
@@ -72,22 +90,23 @@ def timed(cfg, batches, bf16: bool, rounds: int) -> tuple[dict[str, list[float]]
         optimizer.step()
         return time.perf_counter() - start
 
-    for packs in VARIANTS.values():  # warm-up: allocator, oneDNN's kernels for these shapes
-        loss_module.packs = packs
+    for apply in variants.values():  # warm-up: allocator, oneDNN's kernels for these shapes
+        apply()
         for batch in batches[:2]:
             step(batch)
-    seconds = {name: [] for name in VARIANTS}
+    seconds = {name: [] for name in variants}
     ratios = []
     for r in range(rounds):
         for batch in batches:
-            order = list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]
+            order = list(variants) if r % 2 == 0 else list(variants)[::-1]
             took = {}
             for name in order:
-                loss_module.packs = VARIANTS[name]
+                variants[name]()
                 took[name] = step(batch)
                 seconds[name].append(took[name])
-            ratios.append(took["padded"] / took["packed"])
-    loss_module.packs = PACKED
+            baseline, candidate = variants
+            ratios.append(took[baseline] / took[candidate])
+    choose(PACKED, HEADS)()
     return seconds, ratios
 
 
@@ -100,6 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--attention", action="store_true",
+                        help="both packed: attention from the rows to the heads against through the grid")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     args = parser.parse_args(argv)
     if args.threads:
@@ -109,23 +130,26 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = ts.SHAPES[args.shape]
     src, tgt, lengths = ts.sample_lengths(8000, args.seed)
     batches = ts.bucketed_batches(src, tgt, args.max_tokens, args.batches, cfg.vocab_size, args.seed)
-    check = parity(cfg, batches[0], args.bf16)
-    print(f"one step, no dropout: loss padded {check['loss']['padded']:.6f}, packed {check['loss']['packed']:.6f}; "
-          f"largest gradient difference {check['max_relative_gradient_difference']:.3g} of the largest entry",
-          file=sys.stderr)
-    seconds, ratios = timed(cfg, batches, args.bf16, args.rounds)
+    variants = COMPARISONS["attention" if args.attention else "packing"]
+    baseline, candidate = variants
+    check = parity(cfg, batches[0], args.bf16, variants)
+    print(f"one step, no dropout: loss {baseline} {check['loss'][baseline]:.6f}, {candidate} "
+          f"{check['loss'][candidate]:.6f}; largest gradient difference "
+          f"{check['max_relative_gradient_difference']:.3g} of the largest entry", file=sys.stderr)
+    seconds, ratios = timed(cfg, batches, args.bf16, args.rounds, variants)
     tokens = sum(int((b[2] != ts.PAD).sum()) for b in batches) * args.rounds
     result = {
         "shape": args.shape, "precision": "bfloat16 autocast" if args.bf16 else "float32",
         "threads": torch.get_num_threads(), "batches": len(batches), "rounds": args.rounds, "lengths": lengths,
         "tok_s": {name: round(tokens / sum(s), 1) for name, s in seconds.items()},
-        "packed_speedup_median": round(statistics.median(ratios), 3),
-        "packed_speedup_mean": round(statistics.mean(ratios), 3),
+        f"{candidate}_speedup_median": round(statistics.median(ratios), 3),
+        f"{candidate}_speedup_mean": round(statistics.mean(ratios), 3),
         "parity": check, "torch": torch.__version__,
     }
-    print(f"{args.shape}, {result['precision']}, {result['threads']} threads: target tok/s padded "
-          f"{result['tok_s']['padded']}, packed {result['tok_s']['packed']}; packed / padded per batch: "
-          f"median {result['packed_speedup_median']}x, mean {result['packed_speedup_mean']}x", file=sys.stderr)
+    print(f"{args.shape}, {result['precision']}, {result['threads']} threads: target tok/s {baseline} "
+          f"{result['tok_s'][baseline]}, {candidate} {result['tok_s'][candidate]}; {candidate} / {baseline} per "
+          f"batch: median {result[f'{candidate}_speedup_median']}x, mean {result[f'{candidate}_speedup_mean']}x",
+          file=sys.stderr)
     if args.json:
         print(json.dumps(result))
     return result

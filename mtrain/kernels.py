@@ -357,10 +357,12 @@ class _HeadsAttention(torch.autograd.Function):
 def _attention_forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: tuple[Tensor, tuple[int, ...]] | None,
                        is_causal: bool) -> Tensor:
     """(G, T, D) queries over (G, S, D) keys and values, saving what _attention_backward needs;
-    mask: (a bool mask, the 4-d shape of the G heads it broadcasts over)."""
+    mask: (a bool mask, the 4-d shape of the G heads it broadcasts over). bfloat16 inputs multiply
+    in bfloat16 around a float32 softmax (_softmax_dtype); the weights are kept in float32 for the
+    backward and rounded to bfloat16 where they multiply."""
     T, S, D = q.size(1), k.size(1), q.size(2)
     scale = D ** -0.5
-    scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)
+    scores = torch.bmm(q, k.transpose(1, 2)).to(_softmax_dtype(q)).mul_(scale)
     if is_causal:
         scores.masked_fill_(torch.ones(T, S, dtype=torch.bool, device=q.device).triu_(1), NEG_INF)
     if mask is not None:
@@ -368,17 +370,26 @@ def _attention_forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: tuple[Tensor,
     weights = torch.softmax(scores, dim=-1).nan_to_num_(nan=0.0)  # a row of -inf: 0, not NaN
     ctx.save_for_backward(q, k, v, weights)
     ctx.scale = scale
-    return torch.bmm(weights, v)
+    return torch.bmm(weights.to(q.dtype), v)
 
 
 def _attention_backward(ctx, grad: Tensor, grad_q: Tensor, grad_k: Tensor, grad_v: Tensor) -> None:
     """The gradients of _attention_forward for (G, T, D) grad, written into grad_q, grad_k, grad_v."""
     q, k, v, weights = ctx.saved_tensors
-    grad_scores = torch._softmax_backward_data(torch.bmm(grad, v.transpose(1, 2)), weights, -1, weights.dtype)
-    grad_scores.mul_(ctx.scale)
+    grad = grad.to(q.dtype)
+    grad_weights = torch.bmm(grad, v.transpose(1, 2)).to(weights.dtype)
+    grad_scores = torch._softmax_backward_data(grad_weights, weights, -1, weights.dtype)
+    grad_scores = grad_scores.mul_(ctx.scale).to(q.dtype)
     torch.bmm(grad_scores, k, out=grad_q)
     torch.bmm(grad_scores.transpose(1, 2), q, out=grad_k)
-    torch.bmm(weights.transpose(1, 2), grad, out=grad_v)
+    torch.bmm(weights.to(q.dtype).transpose(1, 2), grad, out=grad_v)
+
+
+def _softmax_dtype(q: Tensor) -> torch.dtype:
+    """The dtype attention's scores and softmax take: q's own in float32 and float64; float32 for
+    bfloat16 q, k and v, whose matmuls run in bfloat16 around a float32 softmax, exactly as
+    mtrain.model.bfloat16_attention does (and autograd's backward through it)."""
+    return torch.float32 if q.dtype == torch.bfloat16 else q.dtype
 
 
 def _one_buffer(n: int, like: Tensor, *shape: int, copies_of: tuple[Tensor, ...] = ()) -> tuple[Tensor, ...]:

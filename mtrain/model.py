@@ -67,12 +67,17 @@ def _batched_on_cpu(q: Tensor, k: Tensor, dropout_p: float, dtypes: tuple[torch.
             and (q.requires_grad or k.requires_grad) and not torch.compiler.is_compiling())
 
 
+# The dtypes whose packed CPU training steps take attention from the rows straight to the heads.
+HEADS_FROM_ROWS = (torch.float32, torch.float64, torch.bfloat16)
+
+
 def _heads_from_rows(x: Tensor, packing: Packing | None, dropout_p: float) -> bool:
     """Whether attention takes a packed step's rows straight to its heads and back (Packing.to_heads,
-    kernels.heads_attention, Packing.from_heads): where batched_attention runs, and in float64 too.
-    At the small shape the copies into and out of the grid cost about twice as long as the one
-    gather each way (docs/benchmarks.md)."""
-    return packing is not None and _batched_on_cpu(x, x, dropout_p, (torch.float32, torch.float64))
+    kernels.heads_attention, Packing.from_heads): where batched_attention runs, in float64, and in
+    bfloat16 (autocast), where it does bfloat16_attention's arithmetic without the grid. At the
+    small shape the copies into and out of the grid cost about twice as long as the one gather
+    each way (docs/benchmarks.md)."""
+    return packing is not None and _batched_on_cpu(x, x, dropout_p, HEADS_FROM_ROWS)
 
 
 def bfloat16_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,

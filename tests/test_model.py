@@ -13,7 +13,7 @@ from conftest import DEVICES
 from mtrain.config import ModelConfig, load_config
 from mtrain.errors import MtrainError
 from mtrain.kernels import Dropout
-from mtrain.model import Transformer, attend, key_mask, sinusoids
+from mtrain.model import Transformer, attend, bfloat16_attention, key_mask, sinusoids
 
 ROOT = Path(__file__).resolve().parents[1]
 PAD = 0
@@ -439,6 +439,42 @@ def test_batched_attention_is_sdpa_in_value_and_gradient(masking):
     small = [x[:2, :2, :5, :4].clone().requires_grad_() for x in (q, k, v)]
     small_mask = None if mask is None else mask[:2, ..., :5, :5] if mask.dim() == 4 else mask[:5, :5]
     assert torch.autograd.gradcheck(lambda a, b, c: batched_attention(a, b, c, small_mask, causal), small)
+
+
+@pytest.mark.parametrize("masking", ["padding", "causal", "cross"])
+def test_bf16_heads_attention_is_bf16_attention_bit_for_bit(masking):
+    """A packed bfloat16 step's attention (kernels.heads_attention on the heads-before-sentences
+    layout) does bfloat16_attention's arithmetic: the same bfloat16 matmuls around the same
+    float32 softmax, forward and backward. Values and the gradients of q, k and v are equal bit
+    for bit to autograd's through bfloat16_attention on the (B, H, T, d_head) grid."""
+    from mtrain.kernels import heads_attention
+
+    gen = torch.Generator().manual_seed(14)
+    heads, batch, length, d_head = 4, 3, 7, 8
+    cross = masking == "cross"
+    keys = 5 if cross else length
+    q = torch.randn(1 if cross else 3, heads * batch, length, d_head, generator=gen).bfloat16().requires_grad_()
+    kv = torch.randn(2, heads * batch, keys, d_head, generator=gen).bfloat16().requires_grad_()
+    mask = None if masking == "causal" else torch.tensor(
+        [[True] * keys, [True] * 3 + [False] * (keys - 3), [True] + [False] * (keys - 1)])[:, None, None, :]
+    got = heads_attention(q, kv if cross else None, mask, masking == "causal")
+    upstream = torch.randn(got.shape, generator=gen).bfloat16()
+    got.backward(upstream)
+
+    def grid(x: torch.Tensor) -> torch.Tensor:  # (H * B, n, d) -> a (B, H, n, d) leaf
+        return x.detach().view(heads, batch, -1, d_head).transpose(0, 1).clone().requires_grad_()
+
+    def heads_first(x: torch.Tensor) -> torch.Tensor:  # (B, H, n, d) -> (H * B, n, d)
+        return x.transpose(0, 1).reshape(heads * batch, -1, d_head)
+
+    mine = [q[0], kv[0], kv[1]] if cross else list(q.unbind(0))
+    theirs = [grid(x) for x in mine]
+    want = bfloat16_attention(*theirs, mask, 0.0, masking == "causal")
+    want.backward(upstream.view(heads, batch, length, d_head).transpose(0, 1))
+    assert got.dtype == torch.bfloat16 and torch.equal(got, heads_first(want))
+    grads = [q.grad[0], kv.grad[0], kv.grad[1]] if cross else list(q.grad.unbind(0))
+    for ours, reference in zip(grads, theirs):
+        assert ours.dtype == torch.bfloat16 and torch.equal(ours, heads_first(reference.grad))
 
 
 def test_float32_attention_with_gradients_takes_the_batched_kernel_on_cpu():

@@ -113,21 +113,27 @@ def test_packed_step_equals_the_padded_step(monkeypatch, multiple):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-def test_packed_attention_goes_from_rows_to_heads_without_a_grid(monkeypatch):
+@pytest.mark.parametrize("precision", ["float64", "bfloat16 autocast"])
+def test_packed_attention_goes_from_rows_to_heads_without_a_grid(monkeypatch, precision):
     """In a packed step every attention gathers its Q, K and V from the rows straight into the
     heads' layout (one Packing.to_heads per projection: Q/K/V of each self-attention, Q and K/V of
-    each cross-attention) and never builds a grid; the step's values and gradients are the padded
-    step's (test_packed_step_equals_the_padded_step runs this path)."""
+    each cross-attention) and never builds a grid, under bfloat16 autocast too; the step's values
+    and gradients are the padded step's (test_packed_step_equals_the_padded_step and the bfloat16
+    test below run this path)."""
     calls = {"to_heads": 0, "to_grid": 0}
     for name in calls:
         real = getattr(Packing, name)
         monkeypatch.setattr(Packing, name, lambda self, *a, _real=real, _name=name: calls.__setitem__(
             _name, calls[_name] + 1) or _real(self, *a))
     objective, model = tiny_objective()  # 2 encoder and 2 decoder layers
+    bf16 = precision.startswith("bfloat16")
+    if bf16:
+        model.float()
     src = padded([7, 3, 1, 5], 7, seed=11)
     tgt_in, tgt_out = target_batch([4, 6, 1, 2], 6, seed=12)
-    loss, _ = objective(src, tgt_in, tgt_out)
-    loss.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        loss, _ = objective(src, tgt_in, tgt_out)
+        loss.backward()
     assert calls == {"to_heads": 2 + 2 * 3, "to_grid": 0}
 
 
@@ -149,9 +155,10 @@ def test_a_cpu_training_step_runs_its_layers_on_the_real_rows():
 
 
 def test_a_bfloat16_autocast_step_runs_packed_and_equals_the_padded_step_to_bfloat16_rounding(monkeypatch):
-    """Under CPU bfloat16 autocast the layers see the real rows too. Each real position's
-    arithmetic is the padded step's, in the same bfloat16, but a matmul over fewer rows may sum in
-    another order: the loss and gradients agree to a few of bfloat16's 2^-8 steps."""
+    """Under CPU bfloat16 autocast the layers see the real rows too, and attention takes them
+    straight to its heads. Each real position's arithmetic is the padded step's, in the same
+    bfloat16, but a matmul over fewer rows may sum in another order: the loss and gradients agree
+    to a few of bfloat16's 2^-8 steps."""
     objective, model = tiny_objective()
     model.float()
     src = padded([7, 3, 1, 5], 7, seed=9)  # 16 real of 28 cells
@@ -173,13 +180,38 @@ def test_the_packing_benchmark_times_both_steps_from_one_parity_check():
     """benchmarks/packing_ab.py end to end at its smallest: the packed and padded steps from the
     same weights give the same loss and gradients (float32: summation order only), and both are
     timed."""
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, str(root / "benchmarks" / "packing_ab.py"), "--batches", "1", "--rounds", "1",
-                           "--max-tokens", "256", "--threads", "1", "--json"],
-                          capture_output=True, text=True, timeout=300, cwd=root)
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
+    result = run_benchmark("packing_ab.py")
     loss = result["parity"]["loss"]
     assert loss["packed"] == pytest.approx(loss["padded"], rel=1e-6)
     assert result["parity"]["max_relative_gradient_difference"] < 1e-5
     assert result["tok_s"]["packed"] > 0 and result["tok_s"]["padded"] > 0 and result["packed_speedup_median"] > 0
+
+
+def run_benchmark(script: str, *extra: str) -> dict:
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / script), "--batches", "1", "--rounds", "1",
+                           "--max-tokens", "256", "--threads", "1", "--json", *extra],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_the_packing_benchmark_compares_attention_from_the_rows_with_the_grid():
+    """packing_ab.py --attention: both steps packed, attention from the rows to the heads against
+    through the grid. In float32 the two do the same arithmetic on the same values, so one step
+    of each from the same weights gives the same loss and gradients."""
+    result = run_benchmark("packing_ab.py", "--attention")
+    assert set(result["tok_s"]) == {"grid", "heads"} and min(result["tok_s"].values()) > 0
+    assert result["parity"]["loss"]["grid"] == result["parity"]["loss"]["heads"]
+    assert result["parity"]["max_relative_gradient_difference"] < 1e-6
+    assert result["heads_speedup_median"] > 0
+
+
+def test_the_attention_layout_benchmark_profiles_both_paths():
+    """attention_layout.py end to end at its smallest: both paths timed, and each one's profile
+    names its matmuls and its layout ops."""
+    result = run_benchmark("attention_layout.py")
+    assert set(result["ms_per_call_median"]) == {"grid", "heads"}
+    for path in ("grid", "heads"):
+        parts = result["profiled_ms_per_call_by_kind"][path]
+        assert parts["matmuls"] > 0 and parts["layout"] > 0
