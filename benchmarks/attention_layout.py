@@ -86,15 +86,18 @@ def by_kind(run, calls: int) -> dict[str, float]:
         if event.thread != main:
             continue
         kind = next((label for names, label in KINDS if event.name in names), "other")
-        if kind == "layout" and _inside(event, "aten::_to_copy"):  # a cast's copy: .to(), autocast
+        if _inside(event, KINDS[0][0]):  # a matmul's own work (an emulated bfloat16 bmm selects each matrix)
+            kind = "matmuls"
+        elif kind == "layout" and _inside(event, ("aten::_to_copy",)):  # a cast's copy: .to(), autocast
             kind = "dtype casts"
         parts[kind] = parts.get(kind, 0.0) + event.self_cpu_time_total / 1e3 / calls
     return {kind: round(ms, 3) for kind, ms in sorted(parts.items(), key=lambda kv: -kv[1])}
 
 
-def _inside(event, name: str) -> bool:
+def _inside(event, names: tuple[str, ...]) -> bool:
+    """Whether one of the ops that called this one is named in names."""
     node = event.cpu_parent
-    while node is not None and node.name != name:
+    while node is not None and node.name not in names:
         node = node.cpu_parent
     return node is not None
 

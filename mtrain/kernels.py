@@ -359,7 +359,7 @@ def _attention_forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: tuple[Tensor,
     """(G, T, D) queries over (G, S, D) keys and values, saving what _attention_backward needs;
     mask: (a bool mask, the 4-d shape of the G heads it broadcasts over). bfloat16 inputs multiply
     in bfloat16 around a float32 softmax (_softmax_dtype); the weights are kept in float32 for the
-    backward and rounded to bfloat16 where they multiply."""
+    softmax's backward and rounded to bfloat16 once, for both of their matmuls."""
     T, S, D = q.size(1), k.size(1), q.size(2)
     scale = D ** -0.5
     scores = torch.bmm(q, k.transpose(1, 2)).to(_softmax_dtype(q)).mul_(scale)
@@ -368,21 +368,22 @@ def _attention_forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: tuple[Tensor,
     if mask is not None:
         scores.view(mask[1]).masked_fill_(~mask[0], NEG_INF)
     weights = torch.softmax(scores, dim=-1).nan_to_num_(nan=0.0)  # a row of -inf: 0, not NaN
-    ctx.save_for_backward(q, k, v, weights)
+    rounded = weights.to(q.dtype)  # weights itself unless q is bfloat16
+    ctx.save_for_backward(q, k, v, weights, rounded)
     ctx.scale = scale
-    return torch.bmm(weights.to(q.dtype), v)
+    return torch.bmm(rounded, v)
 
 
 def _attention_backward(ctx, grad: Tensor, grad_q: Tensor, grad_k: Tensor, grad_v: Tensor) -> None:
     """The gradients of _attention_forward for (G, T, D) grad, written into grad_q, grad_k, grad_v."""
-    q, k, v, weights = ctx.saved_tensors
+    q, k, v, weights, rounded = ctx.saved_tensors
     grad = grad.to(q.dtype)
     grad_weights = torch.bmm(grad, v.transpose(1, 2)).to(weights.dtype)
     grad_scores = torch._softmax_backward_data(grad_weights, weights, -1, weights.dtype)
     grad_scores = grad_scores.mul_(ctx.scale).to(q.dtype)
     torch.bmm(grad_scores, k, out=grad_q)
     torch.bmm(grad_scores.transpose(1, 2), q, out=grad_k)
-    torch.bmm(weights.to(q.dtype).transpose(1, 2), grad, out=grad_v)
+    torch.bmm(rounded.transpose(1, 2), grad, out=grad_v)
 
 
 def _softmax_dtype(q: Tensor) -> torch.dtype:
