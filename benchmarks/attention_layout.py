@@ -17,7 +17,6 @@ without native bfloat16 (AMX or AVX512-BF16) runs bfloat16 matmuls emulated, man
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import statistics
@@ -29,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_step as ts  # noqa: E402  (the same shapes, lengths and batches)
+from packing_ab import step_batches, step_options  # noqa: E402
 
 import mtrain.model as model_module  # noqa: E402
 from mtrain.hardware import cpu_has_native_bf16  # noqa: E402
@@ -103,22 +103,8 @@ def _inside(event, names: tuple[str, ...]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=sorted(ts.SHAPES), default="small")
-    parser.add_argument("--bf16", action="store_true", help="under bfloat16 autocast (train.amp=bf16)")
-    parser.add_argument("--max-tokens", type=int, default=4096)
-    parser.add_argument("--batches", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    cfg = ts.SHAPES[args.shape]
-    src, tgt, lengths = ts.sample_lengths(8000, args.seed)
-    batches = ts.bucketed_batches(src, tgt, args.max_tokens, args.batches, cfg.vocab_size, args.seed)
+    args = step_options(__doc__, batches=3, rounds=5).parse_args(argv)
+    cfg, batches, lengths = step_batches(args)
     layers = sublayers(cfg)
     runs = [one_call(layers, batch, args.bf16) for batch in batches]
 

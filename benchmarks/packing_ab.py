@@ -110,26 +110,38 @@ def timed(cfg, batches, bf16: bool, rounds: int, variants: dict) -> tuple[dict[s
     return seconds, ratios
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def step_options(doc: str, batches: int, rounds: int) -> argparse.ArgumentParser:
+    """The options of a script that times training-step variants on train_step.py's batches."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(ts.SHAPES), default="small")
-    parser.add_argument("--bf16", action="store_true", help="both under bfloat16 autocast (train.amp=bf16)")
+    parser.add_argument("--bf16", action="store_true", help="under bfloat16 autocast (train.amp=bf16)")
     parser.add_argument("--max-tokens", type=int, default=4096)
-    parser.add_argument("--batches", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batches", type=int, default=batches)
+    parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--attention", action="store_true",
-                        help="both packed: attention from the rows to the heads against through the grid")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def step_batches(args: argparse.Namespace) -> tuple:
+    """Threads, allocator and seed set as the options say; the shape's config, its bucketed
+    batches, and where their lengths come from."""
     if args.threads:
         torch.set_num_threads(args.threads)
     reuse_freed_memory()  # as mtrain train does
     torch.manual_seed(args.seed)
     cfg = ts.SHAPES[args.shape]
     src, tgt, lengths = ts.sample_lengths(8000, args.seed)
-    batches = ts.bucketed_batches(src, tgt, args.max_tokens, args.batches, cfg.vocab_size, args.seed)
+    return cfg, ts.bucketed_batches(src, tgt, args.max_tokens, args.batches, cfg.vocab_size, args.seed), lengths
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = step_options(__doc__, batches=6, rounds=3)
+    parser.add_argument("--attention", action="store_true",
+                        help="both packed: attention from the rows to the heads against through the grid")
+    args = parser.parse_args(argv)
+    cfg, batches, lengths = step_batches(args)
     variants = COMPARISONS["attention" if args.attention else "packing"]
     baseline, candidate = variants
     check = parity(cfg, batches[0], args.bf16, variants)
