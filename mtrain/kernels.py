@@ -363,10 +363,13 @@ def _attention_forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: tuple[Tensor,
     T, S, D = q.size(1), k.size(1), q.size(2)
     scale = D ** -0.5
     scores = torch.bmm(q, k.transpose(1, 2)).to(_softmax_dtype(q)).mul_(scale)
+    # Masks are added as 0 / -inf: a broadcast add runs vectorised, where PyTorch's CPU masked_fill_
+    # took 6-12x as long on a step's scores (docs/benchmarks.md); the softmax is the same.
     if is_causal:
-        scores.masked_fill_(torch.ones(T, S, dtype=torch.bool, device=q.device).triu_(1), NEG_INF)
+        scores.add_(torch.full((T, S), NEG_INF, dtype=scores.dtype, device=q.device).triu_(1))
     if mask is not None:
-        scores.view(mask[1]).masked_fill_(~mask[0], NEG_INF)
+        keep, shape = mask
+        scores.view(shape).add_(torch.zeros(keep.shape, dtype=scores.dtype, device=q.device).masked_fill_(~keep, NEG_INF))
     weights = torch.softmax(scores, dim=-1).nan_to_num_(nan=0.0)  # a row of -inf: 0, not NaN
     rounded = weights.to(q.dtype)  # weights itself unless q is bfloat16
     ctx.save_for_backward(q, k, v, weights, rounded)
