@@ -11,8 +11,9 @@ One call runs an encoder self-attention, a decoder's causal self-attention and i
 backward. Reported: ms per call of each path (median over the calls), and from torch.profiler
 each path's ms per call by kind of op: matmuls (the projections and attention's), softmax, layout
 (gathers, the grid's fills and copies, the heads' copies, the gradients' stacks), dtype casts
-(autocast's and the softmax's, whose copies are counted here and not as layout), the rest. The layout ops are memory traffic, comparable across CPUs; the matmuls' share is not: a CPU
-without native bfloat16 (AMX or AVX512-BF16) runs bfloat16 matmuls emulated, many times slower.
+(autocast's and the softmax's, whose copies are counted here and not as layout), the rest. The
+layout ops are memory traffic, comparable across CPUs; the matmuls' share is not: a CPU without
+native bfloat16 (AMX or AVX512-BF16) runs bfloat16 matmuls emulated, many times slower.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ PATHS = {"grid": (), "heads": HEADS}
 KINDS = [
     (("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise"), "matmuls"),
     (("aten::_softmax", "aten::_softmax_backward_data", "aten::nan_to_num_", "aten::masked_fill_",
-      "aten::mul_", "aten::mul"), "softmax, scale, masks"),
+      "aten::add_", "aten::triu_", "aten::mul_", "aten::mul"), "softmax, scale, masks"),
     (("aten::index_select", "aten::index_copy_", "aten::index_fill_", "aten::copy_", "aten::clone",
       "aten::stack", "aten::cat", "aten::fill_", "aten::zero_"), "layout"),
     (("aten::_to_copy",), "dtype casts"),
@@ -94,6 +95,14 @@ def by_kind(run, calls: int) -> dict[str, float]:
     return {kind: round(ms, 3) for kind, ms in sorted(parts.items(), key=lambda kv: -kv[1])}
 
 
+def seconds_of(path: str, run) -> float:
+    """Wall time of one call on that attention path."""
+    model_module.HEADS_FROM_ROWS = PATHS[path]
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
 def _inside(event, names: tuple[str, ...]) -> bool:
     """Whether one of the ops that called this one is named in names."""
     node = event.cpu_parent
@@ -108,22 +117,14 @@ def main(argv: list[str] | None = None) -> dict:
     layers = sublayers(cfg)
     runs = [one_call(layers, batch, args.bf16) for batch in batches]
 
-    def on(path: str, run):
-        def go() -> float:
-            model_module.HEADS_FROM_ROWS = PATHS[path]
-            start = time.perf_counter()
-            run()
-            return time.perf_counter() - start
-        return go
-
     for path in PATHS:  # warm-up: allocator, oneDNN's kernels for these shapes
         for run in runs:
-            on(path, run)()
+            seconds_of(path, run)
     seconds: dict[str, list[float]] = {path: [] for path in PATHS}
     for r in range(args.rounds):
         for run in runs:
             for path in (list(PATHS) if r % 2 == 0 else list(PATHS)[::-1]):
-                seconds[path].append(on(path, run)())
+                seconds[path].append(seconds_of(path, run))
     kinds = {}
     for path in PATHS:
         model_module.HEADS_FROM_ROWS = PATHS[path]

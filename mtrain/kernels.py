@@ -380,7 +380,6 @@ def _attention_forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: tuple[Tensor,
 def _attention_backward(ctx, grad: Tensor, grad_q: Tensor, grad_k: Tensor, grad_v: Tensor) -> None:
     """The gradients of _attention_forward for (G, T, D) grad, written into grad_q, grad_k, grad_v."""
     q, k, v, weights, rounded = ctx.saved_tensors
-    grad = grad.to(q.dtype)
     grad_weights = torch.bmm(grad, v.transpose(1, 2)).to(weights.dtype)
     grad_scores = torch._softmax_backward_data(grad_weights, weights, -1, weights.dtype)
     grad_scores = grad_scores.mul_(ctx.scale).to(q.dtype)
