@@ -490,6 +490,12 @@ def main(argv: list[str] | None = None) -> dict:
         "target_tokens_per_batch": round(rows["mtrain"]["tokens_per_batch"], 1),
         "mtrain_bf16_tok_s": tok_s("mtrain bf16"),
         "bf16_speedup": round(rows["mtrain bf16"]["tok_s"] / rows["mtrain"]["tok_s"], 3) if args.bf16 else None,
+        # the bfloat16 step against the float32 baseline (the target's ratio), in total and round by round
+        "bf16_speedup_vs_nn_transformer":
+            round(rows["mtrain bf16"]["tok_s"] / rows["nn.Transformer"]["tok_s"], 3) if args.bf16 else None,
+        "bf16_speedup_vs_nn_transformer_by_round":
+            [round(float(r), 3) for r in seconds["nn.Transformer"].sum(axis=1) / seconds["mtrain bf16"].sum(axis=1)]
+            if args.bf16 else None,
         "bf16_matmul_peak_gflops": round(bf16_peak, 1) if bf16_peak else None,
         "bf16_native": bf16_native,
         "batches": args.batches, "rounds": args.rounds, "compile": args.compile, "lengths": source,
@@ -506,6 +512,8 @@ def main(argv: list[str] | None = None) -> dict:
     if bf16_peak:
         log(f"bf16 matmul peak (2048^3): {bf16_peak:.1f} GFLOP/s; mtrain bf16 / mtrain fp32: {result['bf16_speedup']:.2f}x "
             "('of peak' is against the fp32 peak)")
+        log(f"mtrain bf16 / nn.Transformer fp32: {result['bf16_speedup_vs_nn_transformer']:.2f}x; by round: "
+            + ", ".join(f"{r:.2f}x" for r in result["bf16_speedup_vs_nn_transformer_by_round"]))
     log(f"fp32 matmul peak (2048^3): {peak:.1f} GFLOP/s; mtrain / nn.Transformer (same batches): "
         f"{result['speedup_vs_nn_transformer']:.2f}x, / nn.Transformer unbucketed: "
         f"{result['speedup_vs_nn_transformer_unbucketed']:.2f}x")
