@@ -465,6 +465,10 @@ def main(argv: list[str] | None = None) -> dict:
     def tok_s(name: str, key: str = "tok_s") -> float | None:
         return round(rows[name][key], 1) if name in rows else None
 
+    def by_round(name: str) -> list[float]:
+        """Each round's speed of `name` against nn.Transformer float32 (their summed seconds)."""
+        return [round(float(r), 3) for r in seconds["nn.Transformer"].sum(axis=1) / seconds[name].sum(axis=1)]
+
     result = {
         "mtrain_tok_s": tok_s("mtrain"),
         "nn_transformer_tok_s": tok_s("nn.Transformer"),
@@ -481,8 +485,7 @@ def main(argv: list[str] | None = None) -> dict:
         "speedup_vs_nn_transformer": round(rows["mtrain"]["tok_s"] / rows["nn.Transformer"]["tok_s"], 3),
         # each round's ratio: the two models ran minutes apart at most, so drift on a shared host
         # moves these less than the ratio of the totals; their spread shows how far to trust one run
-        "speedup_vs_nn_transformer_by_round":
-            [round(float(r), 3) for r in seconds["nn.Transformer"].sum(axis=1) / seconds["mtrain"].sum(axis=1)],
+        "speedup_vs_nn_transformer_by_round": by_round("mtrain"),
         "speedup_vs_nn_transformer_unbucketed":
             round(rows["mtrain"]["tok_s"] / rows["nn.Transformer unbucketed"]["tok_s"], 3),
         "padding_fraction_bucketed": round(rows["mtrain"]["pad"], 3),
@@ -493,9 +496,7 @@ def main(argv: list[str] | None = None) -> dict:
         # the bfloat16 step against the float32 baseline (the target's ratio), in total and round by round
         "bf16_speedup_vs_nn_transformer":
             round(rows["mtrain bf16"]["tok_s"] / rows["nn.Transformer"]["tok_s"], 3) if args.bf16 else None,
-        "bf16_speedup_vs_nn_transformer_by_round":
-            [round(float(r), 3) for r in seconds["nn.Transformer"].sum(axis=1) / seconds["mtrain bf16"].sum(axis=1)]
-            if args.bf16 else None,
+        "bf16_speedup_vs_nn_transformer_by_round": by_round("mtrain bf16") if args.bf16 else None,
         "bf16_matmul_peak_gflops": round(bf16_peak, 1) if bf16_peak else None,
         "bf16_native": bf16_native,
         "batches": args.batches, "rounds": args.rounds, "compile": args.compile, "lengths": source,
@@ -513,14 +514,18 @@ def main(argv: list[str] | None = None) -> dict:
         log(f"bf16 matmul peak (2048^3): {bf16_peak:.1f} GFLOP/s; mtrain bf16 / mtrain fp32: {result['bf16_speedup']:.2f}x "
             "('of peak' is against the fp32 peak)")
         log(f"mtrain bf16 / nn.Transformer fp32: {result['bf16_speedup_vs_nn_transformer']:.2f}x; by round: "
-            + ", ".join(f"{r:.2f}x" for r in result["bf16_speedup_vs_nn_transformer_by_round"]))
+            + ratios_text(result["bf16_speedup_vs_nn_transformer_by_round"]))
     log(f"fp32 matmul peak (2048^3): {peak:.1f} GFLOP/s; mtrain / nn.Transformer (same batches): "
         f"{result['speedup_vs_nn_transformer']:.2f}x, / nn.Transformer unbucketed: "
         f"{result['speedup_vs_nn_transformer_unbucketed']:.2f}x")
-    log("mtrain / nn.Transformer by round: " + ", ".join(f"{r:.2f}x" for r in result["speedup_vs_nn_transformer_by_round"]))
+    log("mtrain / nn.Transformer by round: " + ratios_text(result["speedup_vs_nn_transformer_by_round"]))
     if args.json:
         print(json.dumps(result))
     return result
+
+
+def ratios_text(ratios: list[float]) -> str:
+    return ", ".join(f"{r:.2f}x" for r in ratios)
 
 
 def run_profile(cfg: ModelConfig, batches: list[Batch], args: argparse.Namespace, log: Callable) -> dict:
