@@ -108,9 +108,8 @@ def stored_dtype(x: Tensor) -> torch.dtype:
     """The dtype keys and values are kept in: float32 for bfloat16 on a CPU, where attention runs
     in float32 anyway (mtrain.model.attend), so each key is upcast once, when it is stored, rather
     than at every later step that reads it (in a bfloat16 beam-5 profile those upcasts were a
-    quarter of the time); the dtype they come in elsewhere. (A matmul attention over the cache in
-    place was slower than PyTorch's kernel on these float32 caches: greedy 936 against 1072,
-    beam 5 300 against 311 sentences/s, bfloat16 model, 2-core AMX host.)"""
+    quarter of the time); the dtype they come in elsewhere. Greedy search attends over them by
+    float32 matmuls, beam search with PyTorch's kernel (mtrain.model.cache_attention)."""
     return torch.float32 if x.device.type == "cpu" and x.dtype == torch.bfloat16 else x.dtype
 
 

@@ -47,17 +47,44 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: floa
     run ~6x slower than in float32 (forward + backward, measured at Multi30k shapes), so bfloat16
     q, k and v take another way: with bfloat16 keys (training under autocast, and a decoding copy
     without a cache), bfloat16_attention; with float32 keys (a decoding cache keeps them float32,
-    mtrain.cache) PyTorch's float32 kernel on an upcast q. The result has q's dtype, as autocast
-    would cast it for the next projection (and a bfloat16 decoding copy needs)."""
+    mtrain.cache) float32 matmuls on an upcast q for one query per row (cache_attention, greedy
+    search) and PyTorch's float32 kernel for more (beam search's folded beams, a prefix). The
+    result has q's dtype, as
+    autocast would cast it for the next projection (and a bfloat16 decoding copy needs)."""
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         if k.dtype == torch.bfloat16:
             return bfloat16_attention(q, k, v, mask, dropout_p, is_causal)
         with torch.autocast("cpu", enabled=False):  # autocast would cast them back to bfloat16
+            if q.dtype in CACHE_ATTENTION_BY_MATMULS and q.size(-2) == 1 and dropout_p == 0.0:
+                return cache_attention(q, k, v, mask, is_causal)
             return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
                                                   dropout_p=dropout_p, is_causal=is_causal).to(q.dtype)
     if _batched_on_cpu(q, k, dropout_p):
         return batched_attention(q, k, v, mask, is_causal)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+
+
+# The query dtypes whose attention over a decoding cache's float32 keys runs as cache_attention's
+# matmuls rather than PyTorch's CPU kernel (benchmarks/decode_ab.py compares the two).
+CACHE_ATTENTION_BY_MATMULS = (torch.bfloat16,)
+
+
+def cache_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
+    """attend for a bfloat16 decoding copy's queries over the float32 keys and values of its cache:
+    two float32 matmuls around a softmax, the result in q's dtype; a query whose every key is masked
+    gets zeros, as PyTorch's CPU kernel gives. With one query per row PyTorch's flash-attention
+    kernel is built for the wrong case: at a greedy step's shapes (315 sentences x 4 heads, one
+    query over 13 keys) it took 0.53 ms against 0.41, and bfloat16 greedy decoding ran 1.03-1.05x
+    as fast with these matmuls (2-core AMX host, docs/benchmarks.md). Beam search's five queries per
+    row gained nothing (0.985x), and a float32 model's greedy decoding lost (0.91x): both keep
+    PyTorch's kernel."""
+    scores = torch.matmul(q.float(), k.transpose(-1, -2)).mul_(q.size(-1) ** -0.5)
+    if is_causal:  # the triangle aligned top-left, as SDPA's is_causal
+        mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num_(nan=0.0)
+    return torch.matmul(weights, v).to(q.dtype)
 
 
 def _batched_on_cpu(q: Tensor, k: Tensor, dropout_p: float, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:

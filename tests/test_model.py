@@ -13,7 +13,7 @@ from conftest import DEVICES
 from mtrain.config import ModelConfig, load_config
 from mtrain.errors import MtrainError
 from mtrain.kernels import Dropout
-from mtrain.model import Transformer, attend, bfloat16_attention, key_mask, sinusoids
+from mtrain.model import Transformer, attend, bfloat16_attention, cache_attention, key_mask, sinusoids
 
 ROOT = Path(__file__).resolve().parents[1]
 PAD = 0
@@ -364,6 +364,41 @@ def test_bf16_queries_over_float32_keys_attend_in_float32_on_cpu():
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, expected.bfloat16())
     assert torch.equal(attend(q, k, v, mask, 0.0), expected.bfloat16())  # a bfloat16 model, no autocast
+
+
+@pytest.mark.parametrize("masking", ["none", "padding", "causal", "all keys"])
+def test_cache_attention_is_pytorchs_float32_attention(masking):
+    """cache_attention's matmuls give PyTorch's float32 attention to float32 rounding, with a key
+    mask broadcast over heads, the causal triangle, and zeros for a query whose every key is masked
+    (as PyTorch's CPU kernel gives)."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(3, 4, 5, 8, generator=gen) for _ in range(3))
+    mask, causal = None, masking == "causal"
+    if masking == "padding":
+        mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2, [True] + [False] * 4])[:, None, None, :]
+    elif masking == "all keys":
+        mask = torch.tensor([[True] * 5, [False] * 5, [True] * 2 + [False] * 3])[:, None, None, :]
+    got = cache_attention(q, k, v, mask, causal)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, want, atol=1e-6, rtol=1e-5)
+    if masking == "all keys":
+        assert torch.equal(got[1], torch.zeros_like(got[1]))
+
+
+def test_one_bf16_query_per_row_over_float32_keys_takes_the_matmuls():
+    """A greedy step of a bfloat16 decoding copy (one query per row, the cache's float32 keys) attends
+    by cache_attention, rounded once to bfloat16: within one bfloat16 rounding of PyTorch's float32
+    kernel on the upcast query. Several queries per row (beam search's folded beams) keep the kernel."""
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(2, 4, 1, 8, generator=gen).bfloat16()
+    k, v = (torch.randn(2, 4, 7, 8, generator=gen) for _ in range(2))
+    mask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])[:, None, None, :]
+    got = attend(q, k, v, mask, 0.0)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, cache_attention(q, k, v, mask, False))
+    kernel = torch.nn.functional.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask)
+    assert (got.float() - kernel).abs().max().item() <= 2 ** -8 * kernel.abs().max().item()
 
 
 def bf16_qkv(seed: int, shape=(3, 4, 9, 16)) -> list[torch.Tensor]:

@@ -4,7 +4,11 @@ uncached decoding, batching invariance and maximum lengths on a small random Tra
 from __future__ import annotations
 
 import copy
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +17,7 @@ from conftest import DEVICES
 from mtrain import search
 from mtrain.cache import KVCache
 from mtrain.config import ModelConfig
+from mtrain.hardware import cpu_has_native_bf16
 from mtrain.kernels import argmax_rows, logsumexp_, topk_rows
 from mtrain.model import Transformer
 from mtrain.search import (
@@ -613,3 +618,23 @@ def test_searches_reserve_their_longest_output_up_to_a_bound(model, monkeypatch)
     unreserved = beam_search(model, src, beam=3, lenpen=0.6, max_len=max_len, nbest=3)
     assert [[ids for ids, _ in hyps] for hyps in unreserved] == [[ids for ids, _ in hyps] for hyps in beams]
     assert [s for hyps in unreserved for _, s in hyps] == [s for hyps in beams for _, s in hyps]
+
+
+def decoding_corpus() -> bool:
+    root = Path(__file__).resolve().parents[1]
+    return any((p / "test2016.de").is_file() for p in (root / "data" / "multi30k", root.parent / "shared" / "corpora" / "multi30k"))
+
+
+@pytest.mark.skipif(not cpu_has_native_bf16() or not decoding_corpus(),
+                    reason="needs native bfloat16 (emulated, the bfloat16 copy decodes ~30x slower) and Multi30k test2016")
+def test_the_decoding_ab_benchmark_compares_cache_attention_with_the_kernel():
+    """benchmarks/decode_ab.py end to end at its smallest: both forms decode the same sentences, and
+    greedy search gives the same outputs with either (they differ by float32 rounding only)."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "decode_ab.py"), "--sentences", "24",
+                           "--rounds", "1", "--threads", "1", "--json"],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert set(result["sent_s"]) == {"kernel", "matmuls"} and result["search"] == "greedy"
+    assert result["same_outputs"] >= 0.9

@@ -1,0 +1,109 @@
+"""Two forms of one decoding path, alternated batch by batch in one process, so that load from
+elsewhere on a shared machine hits both alike: attention over the cache's float32 keys by float32
+matmuls (mtrain.model.cache_attention, what a bfloat16 decoding copy runs for one query per row,
+greedy search) against PyTorch's CPU attention kernel. With --beam 5 both are the kernel (beam
+search's folded beams keep it), which shows the harness's own spread.
+
+    python benchmarks/decode_ab.py --threads 2                 # bfloat16 copy, greedy
+    python benchmarks/decode_ab.py --beam 5 --threads 2 --json
+
+The model, sentences and batches are benchmarks/decode.py's (random weights at its shape, every
+system made to decode the same number of steps). The order of the two alternates from round to
+round; a warm-up pass over the first batches comes first. Besides the speed it reports the share
+of sentences whose output is the same under both (they differ by float32 rounding in the scores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import decode as bench  # noqa: E402  (the same shape, sentences and batches)
+
+from mtrain import mkl_dispatch  # noqa: E402
+
+if __name__ == "__main__":  # before torch runs anything, as the CLI does
+    mkl_dispatch.enable()
+
+import torch  # noqa: E402
+
+import mtrain.model as model_module  # noqa: E402
+from mtrain.hardware import cpu_has_native_bf16, machine_record  # noqa: E402
+from mtrain.model import Transformer  # noqa: E402
+from mtrain.quantize import bfloat16_weights  # noqa: E402
+from mtrain.search import beam_search, greedy_search  # noqa: E402
+
+VARIANTS = {"kernel": (), "matmuls": (torch.bfloat16,)}  # CACHE_ATTENTION_BY_MATMULS of each
+
+
+def search(model, src: torch.Tensor, steps: int, beam: int) -> list[list[int]]:
+    """The output ids of each sentence: greedy, or the best of beam search."""
+    model.steps = steps
+    max_len = torch.full((src.size(0),), steps - 1)
+    if beam == 1:
+        return greedy_search(model, src, max_len)
+    return [hyps[0][0] for hyps in beam_search(model, src, beam, 0.6, max_len)]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--beam", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sentences", type=int, default=1000)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    corpus = bench.corpus_dir()
+    tokenizer = bench.load_tokenizer(corpus)
+    lines = (corpus / "test2016.de").read_text(encoding="utf-8").splitlines()[: args.sentences]
+    batches = bench.batches_of(tokenizer.src.encode(lines))
+    torch.manual_seed(0)
+    model = bench.FixedLength(bfloat16_weights(Transformer(bench.SHAPE).eval()))
+    seconds = dict.fromkeys(VARIANTS, 0.0)
+    outputs: dict[str, list[list[int]]] = {name: [] for name in VARIANTS}
+    ratios = []
+    for dtypes in VARIANTS.values():  # warm-up: oneDNN's kernels for these shapes
+        model_module.CACHE_ATTENTION_BY_MATMULS = dtypes
+        for src, steps in batches[:3]:
+            search(model, src, steps, args.beam)
+    for r in range(args.rounds):
+        for src, steps in batches:
+            took = {}
+            for name in list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]:
+                model_module.CACHE_ATTENTION_BY_MATMULS = VARIANTS[name]
+                start = time.perf_counter()
+                out = search(model, src, steps, args.beam)
+                took[name] = time.perf_counter() - start
+                seconds[name] += took[name]
+                if r == 0:
+                    outputs[name] += out
+            ratios.append(took["kernel"] / took["matmuls"])
+    model_module.CACHE_ATTENTION_BY_MATMULS = VARIANTS["matmuls"]
+    n = len(lines) * args.rounds
+    same = sum(a == b for a, b in zip(outputs["kernel"], outputs["matmuls"])) / len(lines)
+    result = {
+        "search": "greedy" if args.beam == 1 else f"beam {args.beam}", "precision": "bfloat16 weights",
+        "native_bf16": cpu_has_native_bf16(), "threads": torch.get_num_threads(), "rounds": args.rounds,
+        "sent_s": {name: round(n / s, 1) for name, s in seconds.items()},
+        "matmuls_speedup_total": round(seconds["kernel"] / seconds["matmuls"], 3),
+        "matmuls_speedup_median": round(statistics.median(ratios), 3),
+        "same_outputs": round(same, 4), "torch": torch.__version__, "hardware": machine_record(),
+    }
+    print(f"{result['search']}, bfloat16 copy, {result['threads']} threads: sentences/s kernel "
+          f"{result['sent_s']['kernel']}, matmuls {result['sent_s']['matmuls']}; matmuls / kernel "
+          f"{result['matmuls_speedup_total']}x in total, median per batch {result['matmuls_speedup_median']}x; "
+          f"same output for {same:.1%} of sentences", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
