@@ -1,11 +1,15 @@
 """Two forms of one decoding path, alternated batch by batch in one process, so that load from
-elsewhere on a shared machine hits both alike: attention over the cache's float32 keys by float32
-matmuls (mtrain.model.cache_attention, what a bfloat16 decoding copy runs for one query per row,
-greedy search) against PyTorch's CPU attention kernel. With --beam 5 both are the kernel (beam
-search's folded beams keep it), which shows the harness's own spread.
+elsewhere on a shared machine hits both alike, with a bfloat16 decoding copy:
+- `--compare attention` (default): attention over the cache's float32 keys by float32 matmuls
+  (mtrain.model.cache_attention, what greedy search runs: one query per row) against PyTorch's CPU
+  attention kernel. With --beam 5 both are the kernel (beam search's folded beams keep it), which
+  shows the harness's own spread.
+- `--compare normaliser`: beam search's log sum exp of each row's logits without the row maxima
+  subtracted where that is safe (mtrain.kernels.logsumexp_near_) against always subtracted.
 
-    python benchmarks/decode_ab.py --threads 2                 # bfloat16 copy, greedy
+    python benchmarks/decode_ab.py --threads 2                 # greedy, attention
     python benchmarks/decode_ab.py --beam 5 --threads 2 --json
+    python benchmarks/decode_ab.py --compare normaliser --beam 5 --threads 2
 
 The model, sentences and batches are benchmarks/decode.py's (random weights at its shape, every
 system made to decode the same number of steps). The order of the two alternates from round to
@@ -33,12 +37,24 @@ if __name__ == "__main__":  # before torch runs anything, as the CLI does
 import torch  # noqa: E402
 
 import mtrain.model as model_module  # noqa: E402
+import mtrain.search as search_module  # noqa: E402
 from mtrain.hardware import cpu_has_native_bf16, machine_record  # noqa: E402
+from mtrain.kernels import logsumexp_, logsumexp_near_  # noqa: E402
 from mtrain.model import Transformer  # noqa: E402
 from mtrain.quantize import bfloat16_weights  # noqa: E402
 from mtrain.search import beam_search, greedy_search  # noqa: E402
 
-VARIANTS = {"kernel": (), "matmuls": (torch.bfloat16,)}  # CACHE_ATTENTION_BY_MATMULS of each
+def setter(module, name: str, value):
+    return lambda: setattr(module, name, value)
+
+
+# Each comparison: {baseline, candidate}, in that order; each variant sets what it changes.
+COMPARISONS = {
+    "attention": {"kernel": setter(model_module, "CACHE_ATTENTION_BY_MATMULS", ()),
+                  "matmuls": setter(model_module, "CACHE_ATTENTION_BY_MATMULS", (torch.bfloat16,))},
+    "normaliser": {"shifted": setter(search_module, "NORMALISER", logsumexp_),
+                   "unshifted": setter(search_module, "NORMALISER", logsumexp_near_)},
+}
 
 
 def search(model, src: torch.Tensor, steps: int, beam: int) -> list[list[int]]:
@@ -52,6 +68,7 @@ def search(model, src: torch.Tensor, steps: int, beam: int) -> list[list[int]]:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compare", choices=sorted(COMPARISONS), default="attention")
     parser.add_argument("--beam", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sentences", type=int, default=1000)
@@ -66,39 +83,41 @@ def main(argv: list[str] | None = None) -> dict:
     batches = bench.batches_of(tokenizer.src.encode(lines))
     torch.manual_seed(0)
     model = bench.FixedLength(bfloat16_weights(Transformer(bench.SHAPE).eval()))
-    seconds = dict.fromkeys(VARIANTS, 0.0)
-    outputs: dict[str, list[list[int]]] = {name: [] for name in VARIANTS}
+    variants = COMPARISONS[args.compare]
+    baseline, candidate = variants
+    seconds = dict.fromkeys(variants, 0.0)
+    outputs: dict[str, list[list[int]]] = {name: [] for name in variants}
     ratios = []
-    for dtypes in VARIANTS.values():  # warm-up: oneDNN's kernels for these shapes
-        model_module.CACHE_ATTENTION_BY_MATMULS = dtypes
+    for choose in variants.values():  # warm-up: oneDNN's kernels for these shapes
+        choose()
         for src, steps in batches[:3]:
             search(model, src, steps, args.beam)
     for r in range(args.rounds):
         for src, steps in batches:
             took = {}
-            for name in list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]:
-                model_module.CACHE_ATTENTION_BY_MATMULS = VARIANTS[name]
+            for name in list(variants) if r % 2 == 0 else list(variants)[::-1]:
+                variants[name]()
                 start = time.perf_counter()
                 out = search(model, src, steps, args.beam)
                 took[name] = time.perf_counter() - start
                 seconds[name] += took[name]
                 if r == 0:
                     outputs[name] += out
-            ratios.append(took["kernel"] / took["matmuls"])
-    model_module.CACHE_ATTENTION_BY_MATMULS = VARIANTS["matmuls"]
+            ratios.append(took[baseline] / took[candidate])
+    variants[candidate]()  # what mtrain runs
     n = len(lines) * args.rounds
-    same = sum(a == b for a, b in zip(outputs["kernel"], outputs["matmuls"])) / len(lines)
+    same = sum(a == b for a, b in zip(outputs[baseline], outputs[candidate])) / len(lines)
     result = {
-        "search": "greedy" if args.beam == 1 else f"beam {args.beam}", "precision": "bfloat16 weights",
-        "native_bf16": cpu_has_native_bf16(), "threads": torch.get_num_threads(), "rounds": args.rounds,
-        "sent_s": {name: round(n / s, 1) for name, s in seconds.items()},
-        "matmuls_speedup_total": round(seconds["kernel"] / seconds["matmuls"], 3),
-        "matmuls_speedup_median": round(statistics.median(ratios), 3),
+        "compare": args.compare, "search": "greedy" if args.beam == 1 else f"beam {args.beam}",
+        "precision": "bfloat16 weights", "native_bf16": cpu_has_native_bf16(), "threads": torch.get_num_threads(),
+        "rounds": args.rounds, "sent_s": {name: round(n / s, 1) for name, s in seconds.items()},
+        f"{candidate}_speedup_total": round(seconds[baseline] / seconds[candidate], 3),
+        f"{candidate}_speedup_median": round(statistics.median(ratios), 3),
         "same_outputs": round(same, 4), "torch": torch.__version__, "hardware": machine_record(),
     }
-    print(f"{result['search']}, bfloat16 copy, {result['threads']} threads: sentences/s kernel "
-          f"{result['sent_s']['kernel']}, matmuls {result['sent_s']['matmuls']}; matmuls / kernel "
-          f"{result['matmuls_speedup_total']}x in total, median per batch {result['matmuls_speedup_median']}x; "
+    print(f"{result['search']}, bfloat16 copy, {result['threads']} threads: sentences/s {baseline} "
+          f"{result['sent_s'][baseline]}, {candidate} {result['sent_s'][candidate]}; {candidate} / {baseline} "
+          f"{result[f'{candidate}_speedup_total']}x in total, median per batch {result[f'{candidate}_speedup_median']}x; "
           f"same output for {same:.1%} of sentences", file=sys.stderr)
     if args.json:
         print(json.dumps(result))

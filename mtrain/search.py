@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mtrain.kernels import NEG_INF, argmax_rows, logsumexp_, topk_rows
+from mtrain.kernels import NEG_INF, argmax_rows, logsumexp_, logsumexp_near_, topk_rows
 from mtrain.quantize import weights_dtype
 from mtrain.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
@@ -210,6 +210,9 @@ def next_token_topk(model: Decoder, tokens: Tensor, memory: Tensor, src: Tensor,
     return (tops[0], ids[0]) if len(tops) == 1 else (torch.cat(tops), torch.cat(ids))
 
 
+NORMALISER = logsumexp_near_  # each row's log sum exp in topk_of_logits (benchmarks/decode_ab.py compares)
+
+
 def topk_of_logits(logits: Tensor, forced: Tensor, k: int, bans: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
     """next_token_topk on one block of (n, V) float32 logits, which it overwrites.
 
@@ -222,7 +225,7 @@ def topk_of_logits(logits: Tensor, forced: Tensor, k: int, bans: tuple[Tensor, T
     banned = logits[bans].clone()
     logits[bans] = NEG_INF
     top, ids = topk_rows(logits, min(k + 2, logits.size(1)))
-    lse = logsumexp_(logits, peak=top[:, :1].clone())  # over every token; overwrites the logits
+    lse = NORMALISER(logits, peak=top[:, :1].clone())  # over every token; overwrites the logits
     if banned.numel():
         lse = _add_to_normaliser(lse, bans[0], banned)
     top = top.sub_(lse).masked_fill_((ids == PAD_ID) | (ids == BOS_ID), NEG_INF)
