@@ -49,8 +49,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: floa
     without a cache), bfloat16_attention; with float32 keys (a decoding cache keeps them float32,
     mtrain.cache) float32 matmuls on an upcast q for one query per row (cache_attention, greedy
     search) and PyTorch's float32 kernel for more (beam search's folded beams, a prefix). The
-    result has q's dtype, as
-    autocast would cast it for the next projection (and a bfloat16 decoding copy needs)."""
+    result has q's dtype, as autocast would cast it for the next projection (and a bfloat16
+    decoding copy needs)."""
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         if k.dtype == torch.bfloat16:
             return bfloat16_attention(q, k, v, mask, dropout_p, is_causal)
