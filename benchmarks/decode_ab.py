@@ -1,5 +1,6 @@
 """Two forms of one decoding path, alternated batch by batch in one process, so that load from
-elsewhere on a shared machine hits both alike, with a bfloat16 decoding copy:
+elsewhere on a shared machine hits both alike, with a bfloat16 decoding copy (--float32: the
+float32 model):
 - `--compare attention` (default): attention over the cache's float32 keys by float32 matmuls
   (mtrain.model.cache_attention, what greedy search runs: one query per row) against PyTorch's CPU
   attention kernel. With --beam 5 both are the kernel (beam search's folded beams keep it), which
@@ -9,7 +10,7 @@ elsewhere on a shared machine hits both alike, with a bfloat16 decoding copy:
 
     python benchmarks/decode_ab.py --threads 2                 # greedy, attention
     python benchmarks/decode_ab.py --beam 5 --threads 2 --json
-    python benchmarks/decode_ab.py --compare normaliser --beam 5 --threads 2
+    python benchmarks/decode_ab.py --compare normaliser --beam 5 --threads 2 [--float32]
 
 The model, sentences and batches are benchmarks/decode.py's (random weights at its shape, every
 system made to decode the same number of steps). The order of the two alternates from round to
@@ -69,6 +70,7 @@ def search(model, src: torch.Tensor, steps: int, beam: int) -> list[list[int]]:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compare", choices=sorted(COMPARISONS), default="attention")
+    parser.add_argument("--float32", action="store_true", help="the float32 model instead of its bfloat16 copy")
     parser.add_argument("--beam", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sentences", type=int, default=1000)
@@ -82,7 +84,8 @@ def main(argv: list[str] | None = None) -> dict:
     lines = (corpus / "test2016.de").read_text(encoding="utf-8").splitlines()[: args.sentences]
     batches = bench.batches_of(tokenizer.src.encode(lines))
     torch.manual_seed(0)
-    model = bench.FixedLength(bfloat16_weights(Transformer(bench.SHAPE).eval()))
+    model = Transformer(bench.SHAPE).eval()
+    model = bench.FixedLength(model if args.float32 else bfloat16_weights(model))
     variants = COMPARISONS[args.compare]
     baseline, candidate = variants
     seconds = dict.fromkeys(variants, 0.0)
@@ -109,13 +112,13 @@ def main(argv: list[str] | None = None) -> dict:
     same = sum(a == b for a, b in zip(outputs[baseline], outputs[candidate])) / len(lines)
     result = {
         "compare": args.compare, "search": "greedy" if args.beam == 1 else f"beam {args.beam}",
-        "precision": "bfloat16 weights", "native_bf16": cpu_has_native_bf16(), "threads": torch.get_num_threads(),
-        "rounds": args.rounds, "sent_s": {name: round(n / s, 1) for name, s in seconds.items()},
+        "precision": "float32" if args.float32 else "bfloat16 weights", "native_bf16": cpu_has_native_bf16(),
+        "threads": torch.get_num_threads(), "rounds": args.rounds, "sent_s": {name: round(n / s, 1) for name, s in seconds.items()},
         f"{candidate}_speedup_total": round(seconds[baseline] / seconds[candidate], 3),
         f"{candidate}_speedup_median": round(statistics.median(ratios), 3),
         "same_outputs": round(same, 4), "torch": torch.__version__, "hardware": machine_record(),
     }
-    print(f"{result['search']}, bfloat16 copy, {result['threads']} threads: sentences/s {baseline} "
+    print(f"{result['search']}, {result['precision']}, {result['threads']} threads: sentences/s {baseline} "
           f"{result['sent_s'][baseline]}, {candidate} {result['sent_s'][candidate]}; {candidate} / {baseline} "
           f"{result[f'{candidate}_speedup_total']}x in total, median per batch {result[f'{candidate}_speedup_median']}x; "
           f"same output for {same:.1%} of sentences", file=sys.stderr)
