@@ -158,3 +158,78 @@ def test_the_whole_path_on_tiny_models_and_a_rerun_redoes_nothing(multi30k_dir, 
     second = run_script(env, "de-en")
     assert second.returncode == 0, second.stderr[-3000:]
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+
+
+# ---------------------------------------------------------------- from models of the anchor's regime
+
+ANCHOR_SCRIPT = ROOT / "scripts" / "recipe-multi30k-anchor-distill.sh"
+TEACHER_CONFIG = ROOT / "configs" / "multi30k-en-de-teacher.yaml"
+
+
+def run_anchor_script(env: dict, *args: str) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PATH": VENV_PATH, "VIRTUAL_ENV": str(Path(sys.executable).parent.parent), **env}
+    return subprocess.run(["bash", str(ANCHOR_SCRIPT), *args], capture_output=True, text=True, env=full, cwd=ROOT)
+
+
+def test_the_teacher_config_is_the_anchors_regime_on_the_en_de_vocabulary():
+    """fairseq transformer_tiny as Wu et al. 2021 train it (4+4 layers, d_model 128, d_ff 256, dropout 0.3,
+    no activation dropout; 2 GPUs x 4096 tokens, peak lr 5e-3 after 2000 warmup updates, 8000 updates,
+    Adam eps 1e-8, the last 10 epoch checkpoints averaged), on the en->de recipe's tokenized folder."""
+    teacher, recipe = load_config(TEACHER_CONFIG), load_config(ROOT / "configs" / "multi30k-en-de.yaml")
+    m, t = teacher.model, teacher.train
+    assert (m.d_model, m.d_ff, m.n_heads, m.n_encoder_layers, m.n_decoder_layers) == (128, 256, 4, 4, 4)
+    assert (m.dropout, m.activation_dropout) == (0.3, 0.0)
+    assert (t.max_tokens, t.warmup_steps, t.max_steps, t.cooldown_steps, t.adam_eps) == (8192, 2000, 8000, 0, 1e-8)
+    assert t.lr_scale * m.d_model ** -0.5 * t.warmup_steps ** -0.5 == pytest.approx(5e-3, rel=1e-3)
+    assert t.average_last == 10 and t.keep_last >= t.average_last and t.save_every == 61  # an epoch of 8192-token updates
+    assert teacher.tokenizer == recipe.tokenizer and (teacher.data.src, teacher.data.tgt) == ("en", "de")
+    assert teacher.decode.lenpen == recipe.decode.lenpen  # the ensemble translates with the recipe's valid choice
+    for line in TEACHER_CONFIG.read_text().splitlines():
+        if line.startswith("  ") and ":" in line:
+            assert "#" in line, f"no comment on {line.strip()!r}"
+
+
+def test_the_anchor_distillation_dry_run_names_each_teacher_and_the_distillation():
+    proc = run_anchor_script({"DRY_RUN": "1", "SEEDS": "4 5 6", "SIDE_BY_SIDE": "1"}, "--set", "train.max_steps=10")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line for line in lines if "train.seed=" in line] == [
+        next(line for line in lines if f"train.seed={s}" in line) for s in (4, 5, 6)]
+    assert "3 teachers side by side" in proc.stdout
+    assert "seed-4/averaged.pt runs/multi30k-en-de-teacher/seed-5/averaged.pt" in proc.stdout
+    assert lines[-1].endswith("recipe-multi30k-distill.sh en-de --set train.max_steps=10")  # the student's options
+
+
+@pytest.mark.parametrize("seeds, words", [("2 x", "not a seed"), ("2 2", "distinct"), (" ", "empty")])
+def test_anchor_distillation_refuses_bad_seeds_in_one_line(seeds, words, tmp_path):
+    proc = run_anchor_script({"SEEDS": seeds, "TEACHERS_DIR": str(tmp_path / "t")})
+    assert proc.returncode == 2 and words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.slow
+def test_anchor_distillation_on_tiny_models_side_by_side_and_a_rerun_trains_nothing(multi30k_dir, tmp_path):
+    """Two tiny teachers side by side -> their ensemble's translations -> the student -> the report, on
+    a 300-pair slice; the second run trains no teacher and no student again."""
+    from mtrain.prepare import tokenize_corpus
+
+    corpus = write_slice(multi30k_dir, tmp_path / "corpus", {"train": 300, "valid": 20, "test2016": 30})
+    tok = tmp_path / "tok"  # a vocabulary a 300-pair slice can fill
+    tokenize_corpus(load_config(TEACHER_CONFIG, ["tokenizer.vocab_size=400"]), data_dir=corpus, out_dir=tok)
+    tiny = [f"--set={key}" for key in TINY + ["train.lr_scale=1", "train.average_last=2", "train.keep_last=3",
+                                               "train.cooldown_steps=0"]]
+    teachers = " ".join(tiny + ["--set=model.dropout=0.1", "--set=train.max_steps=200", "--set=train.save_every=50",
+                                "--set=train.eval_every=100"])
+    env = {"CORPUS": str(corpus), "TOK": str(tok), "TEACHERS_DIR": str(tmp_path / "teachers"),
+           "DISTILL": str(tmp_path / "distill"), "TEACHER_SETTINGS": teachers, "SIDE_BY_SIDE": "1", "CT2_USE_MKL": "1"}
+    first = run_anchor_script(env, *tiny)
+    assert first.returncode == 0, first.stderr[-3000:]
+    result = json.loads((tmp_path / "distill" / "results.json").read_text())
+    assert {"teacher_ensemble2_beam5", "student_beam5", "student_ct2_int8_greedy"} <= set(result["rows"])
+    assert all((tmp_path / "teachers" / f"seed-{s}.log").is_file() for s in (2, 3))
+    made = [tmp_path / "teachers" / "seed-2" / "averaged.pt", tmp_path / "teachers" / "seed-3" / "averaged.pt",
+            tmp_path / "distill" / "student" / "averaged.pt"]
+    stamps = {p: p.stat().st_mtime_ns for p in made}
+    second = run_anchor_script(env, *tiny)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert {p: p.stat().st_mtime_ns for p in made} == stamps
