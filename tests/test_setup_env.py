@@ -90,6 +90,6 @@ def test_every_script_passes_it_one_argument():
     extras that way."""
     calls = [line for path in (ROOT / "scripts").glob("*.sh") for line in path.read_text().splitlines()
              if re.match(r"\s*\. scripts/setup_env\.sh", line)]
-    assert len(calls) == 4
+    assert len(calls) == 5
     for line in calls:
         assert re.match(r"\s*\. scripts/setup_env\.sh ('[^']*'|--activate)(\s|$)", line), line
