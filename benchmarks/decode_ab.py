@@ -24,11 +24,11 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode as bench  # noqa: E402  (the same shape, sentences and batches)
+from ab import alternate  # noqa: E402
 
 from mtrain import mkl_dispatch  # noqa: E402
 
@@ -44,6 +44,7 @@ from mtrain.kernels import logsumexp_, logsumexp_near_  # noqa: E402
 from mtrain.model import Transformer  # noqa: E402
 from mtrain.quantize import bfloat16_weights  # noqa: E402
 from mtrain.search import beam_search, greedy_search  # noqa: E402
+
 
 def setter(module, name: str, value):
     return lambda: setattr(module, name, value)
@@ -88,32 +89,17 @@ def main(argv: list[str] | None = None) -> dict:
     model = bench.FixedLength(model if args.float32 else bfloat16_weights(model))
     variants = COMPARISONS[args.compare]
     baseline, candidate = variants
-    seconds = dict.fromkeys(variants, 0.0)
-    outputs: dict[str, list[list[int]]] = {name: [] for name in variants}
-    ratios = []
-    for choose in variants.values():  # warm-up: oneDNN's kernels for these shapes
-        choose()
-        for src, steps in batches[:3]:
-            search(model, src, steps, args.beam)
-    for r in range(args.rounds):
-        for src, steps in batches:
-            took = {}
-            for name in list(variants) if r % 2 == 0 else list(variants)[::-1]:
-                variants[name]()
-                start = time.perf_counter()
-                out = search(model, src, steps, args.beam)
-                took[name] = time.perf_counter() - start
-                seconds[name] += took[name]
-                if r == 0:
-                    outputs[name] += out
-            ratios.append(took[baseline] / took[candidate])
-    variants[candidate]()  # what mtrain runs
+    seconds, ratios, outputs = alternate(variants, batches, args.rounds, lambda batch: search(model, *batch, args.beam),
+                                         warmup=3)
+    seconds = {name: sum(runs) for name, runs in seconds.items()}
+    outputs = {name: [ids for batch in runs for ids in batch] for name, runs in outputs.items()}
     n = len(lines) * args.rounds
     same = sum(a == b for a, b in zip(outputs[baseline], outputs[candidate])) / len(lines)
     result = {
         "compare": args.compare, "search": "greedy" if args.beam == 1 else f"beam {args.beam}",
         "precision": "float32" if args.float32 else "bfloat16 weights", "native_bf16": cpu_has_native_bf16(),
-        "threads": torch.get_num_threads(), "rounds": args.rounds, "sent_s": {name: round(n / s, 1) for name, s in seconds.items()},
+        "threads": torch.get_num_threads(), "rounds": args.rounds,
+        "sent_s": {name: round(n / s, 1) for name, s in seconds.items()},
         f"{candidate}_speedup_total": round(seconds[baseline] / seconds[candidate], 3),
         f"{candidate}_speedup_median": round(statistics.median(ratios), 3),
         "same_outputs": round(same, 4), "torch": torch.__version__, "hardware": machine_record(),

@@ -22,13 +22,13 @@ import dataclasses
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_step as ts  # noqa: E402  (the same shapes, lengths and batches)
+from ab import alternate  # noqa: E402
 
 import mtrain.loss as loss_module  # noqa: E402
 import mtrain.model as model_module  # noqa: E402
@@ -81,32 +81,14 @@ def timed(cfg, batches, bf16: bool, rounds: int, variants: dict) -> tuple[dict[s
     loss_fn, model = ts.mtrain_step_fn(cfg, False)
     optimizer = ts.mtrain_optimizer(model)
 
-    def step(batch) -> float:
-        start = time.perf_counter()
+    def step(batch) -> None:
         optimizer.zero_grad(set_to_none=True)
         with precision(bf16):
             loss = loss_fn(batch) / int((batch[2] != ts.PAD).sum())
         loss.backward()
         optimizer.step()
-        return time.perf_counter() - start
 
-    for apply in variants.values():  # warm-up: allocator, oneDNN's kernels for these shapes
-        apply()
-        for batch in batches[:2]:
-            step(batch)
-    seconds = {name: [] for name in variants}
-    ratios = []
-    for r in range(rounds):
-        for batch in batches:
-            order = list(variants) if r % 2 == 0 else list(variants)[::-1]
-            took = {}
-            for name in order:
-                variants[name]()
-                took[name] = step(batch)
-                seconds[name].append(took[name])
-            baseline, candidate = variants
-            ratios.append(took[baseline] / took[candidate])
-    choose(PACKED, HEADS)()
+    seconds, ratios, _ = alternate(variants, batches, rounds, step, warmup=2)
     return seconds, ratios
 
 

@@ -19,9 +19,9 @@ CORPUS_TOOL = ROOT / "scripts" / "distill_corpus.py"
 VENV_PATH = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
 
 
-def run_script(env: dict, *args: str) -> subprocess.CompletedProcess:
+def run_script(env: dict, *args: str, script: Path = SCRIPT) -> subprocess.CompletedProcess:
     full = {**os.environ, "PATH": VENV_PATH, "VIRTUAL_ENV": str(Path(sys.executable).parent.parent), **env}
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=full, cwd=ROOT)
+    return subprocess.run(["bash", str(script), *args], capture_output=True, text=True, env=full, cwd=ROOT)
 
 
 def test_student_config_is_a_smaller_decoder_over_the_teachers_width():
@@ -167,8 +167,7 @@ TEACHER_CONFIG = ROOT / "configs" / "multi30k-en-de-teacher.yaml"
 
 
 def run_anchor_script(env: dict, *args: str) -> subprocess.CompletedProcess:
-    full = {**os.environ, "PATH": VENV_PATH, "VIRTUAL_ENV": str(Path(sys.executable).parent.parent), **env}
-    return subprocess.run(["bash", str(ANCHOR_SCRIPT), *args], capture_output=True, text=True, env=full, cwd=ROOT)
+    return run_script(env, *args, script=ANCHOR_SCRIPT)
 
 
 def test_the_teacher_config_is_the_anchors_regime_on_the_en_de_vocabulary():
