@@ -412,15 +412,23 @@ def logsumexp_(x: Tensor, peak: Tensor) -> Tensor:
     return x.sub_(peak).exp_().sum(dim=1, keepdim=True).log_().add_(peak)
 
 
+# A row's log sum exp(x) taken without its maximum subtracted is exact up to rounding while every
+# term that matters is a normal float32: float32 exp overflows above 88.7 and leaves the normal range
+# below -87.3, and the terms that move a sum of e^-60 by float32's 2^-24 (over a vocabulary of 8000:
+# down to e^-86; of 32000: e^-87) are normal. So a row may be summed unshifted from a maximum (or a
+# log sum exp) of PLAIN_EXP_FLOOR up.
+PLAIN_EXP_FLOOR = -60.0
+
+
 def logsumexp_near_(x: Tensor, peak: Tensor) -> Tensor:
     """logsumexp_, without subtracting the maxima where that is safe: on a CPU, when every row's
     maximum lies where exp of it and of the terms within float32's precision of it are normal
-    floats (from -60) and the sum of V of them cannot overflow (up to 88 - ln V). The sum then
-    equals the shifted one up to rounding, and x is read twice instead of three times. Elsewhere
+    floats (from PLAIN_EXP_FLOOR) and the sum of V of them cannot overflow (up to 88 - ln V). The
+    sum then equals the shifted one up to rounding, and x is read twice instead of three times. Elsewhere
     (a GPU, where the check would wait for the device; rows outside the range) logsumexp_."""
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.size(0):
         low, high = peak.aminmax()
-        if float(low) >= -60.0 and float(high) <= 88.0 - math.log(x.size(1)):
+        if float(low) >= PLAIN_EXP_FLOOR and float(high) <= 88.0 - math.log(x.size(1)):
             return x.exp_().sum(dim=1, keepdim=True).log_()
     return logsumexp_(x, peak)
 

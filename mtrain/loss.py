@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mtrain.kernels import logsumexp_
+from mtrain.kernels import PLAIN_EXP_FLOOR, logsumexp_
 from mtrain.packing import ROW_MULTIPLE, Packing
 
 
@@ -163,12 +163,9 @@ def _project_rows(h: Tensor, w: Tensor, rows: Tensor) -> Tensor:
         return h[rows] @ w.t()
 
 
-# A row's log sum exp(x) taken without its maximum subtracted is exact up to rounding while every
-# term that matters is a normal float32: float32 exp overflows above 88.7 and leaves the normal range
-# below -87.3, and the terms that move a sum of e^-60 by float32's 2^-24 (over a vocabulary of 8000:
-# down to e^-86; of 32000: e^-87) are normal. Rows outside [-60, 80] (a model's logits rarely are)
-# are summed again shifted.
-PLAIN_LSE_RANGE = (-60.0, 80.0)
+# The log sum exps the loss takes without the row maxima (see PLAIN_EXP_FLOOR); rows outside this
+# range (a model's logits rarely are) are summed again shifted.
+PLAIN_LSE_RANGE = (PLAIN_EXP_FLOOR, 80.0)
 
 
 def _plain_sums(device: torch.device) -> bool:
