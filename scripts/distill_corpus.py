@@ -1,8 +1,9 @@
 """The distillation recipe's checks and corpus step (scripts/recipe-multi30k-distill.sh):
   check-lines SRC HYP          the teacher's output has one line per source line
-  build --src --hyp --out-src --out-tgt [--scores FILE --min-logprob X]
+  build --src --hyp --out-src --out-tgt [--scores FILE --min-logprob X] [--references REF]
                                the distilled pairs, without empty translations and, when asked,
-                               without pairs whose teacher score (mean log-prob per token) is below X
+                               without pairs whose teacher score (mean log-prob per token) is below X;
+                               with --references, followed by the original pairs (SRC, REF)
   same-vocab TEACHER TOKDIR    the tokenized corpus uses the teacher's SentencePiece model(s)
 Each failure is one line on stderr and exit code 2; outputs are written atomically."""
 
@@ -28,7 +29,10 @@ def check_lines(src: Path, hyp: Path) -> None:
                           "not from these sources: delete it and re-run to translate again")
 
 
-def build(src: Path, hyp: Path, out_src: Path, out_tgt: Path, scores: Path | None, min_logprob: float | None) -> None:
+def build(src: Path, hyp: Path, out_src: Path, out_tgt: Path, scores: Path | None, min_logprob: float | None,
+          references: Path | None = None) -> None:
+    """The kept distilled pairs, then (with references) every original pair with both sides non-empty:
+    the student learns from the teachers' translations and the human ones."""
     check_lines(src, hyp)
     sources, targets = read_stripped_lines(src), read_stripped_lines(hyp)
     keep = [bool(s.strip()) and bool(t.strip()) for s, t in zip(sources, targets)]
@@ -37,11 +41,22 @@ def build(src: Path, hyp: Path, out_src: Path, out_tgt: Path, scores: Path | Non
         if len(values) != len(sources):
             raise MtrainError(f"{scores}: {len(values)} scores for {len(sources)} pairs; delete it and re-run")
         keep = [k and v >= min_logprob for k, v in zip(keep, values)]
+    pairs = [(s, t) for s, t, k in zip(sources, targets, keep) if k]
+    originals = _original_pairs(src, references) if references is not None else []
     with atomic_write(out_src) as a:
-        a.writelines(s + "\n" for s, k in zip(sources, keep) if k)
+        a.writelines(s + "\n" for s, _ in pairs + originals)
     with atomic_write(out_tgt) as b:  # written last: its presence means the step is done
-        b.writelines(t + "\n" for t, k in zip(targets, keep) if k)
-    print(f"distilled corpus: {sum(keep)} of {len(keep)} pairs kept", file=sys.stderr)
+        b.writelines(t + "\n" for _, t in pairs + originals)
+    also = f", then {len(originals)} original pairs" if references is not None else ""
+    print(f"distilled corpus: {sum(keep)} of {len(keep)} pairs kept{also}", file=sys.stderr)
+
+
+def _original_pairs(src: Path, references: Path) -> list[tuple[str, str]]:
+    sources, refs = read_stripped_lines(src), read_stripped_lines(references)
+    if len(sources) != len(refs):
+        raise MtrainError(f"{references}: {len(refs)} lines for {len(sources)} sources in {src}; "
+                          "give the references of these sources")
+    return [(s, r) for s, r in zip(sources, refs) if s.strip() and r.strip()]
 
 
 def same_vocab(teacher: Path, tok: Path) -> None:
@@ -68,6 +83,7 @@ def main() -> None:
         b.add_argument(name, type=Path, required=True)
     b.add_argument("--scores", type=Path)
     b.add_argument("--min-logprob", type=float)
+    b.add_argument("--references", type=Path, help="the sources' human translations: their pairs follow")
     v = commands.add_parser("same-vocab")
     v.add_argument("teacher", type=Path)
     v.add_argument("tok", type=Path)
@@ -76,7 +92,7 @@ def main() -> None:
         if args.command == "check-lines":
             check_lines(args.src, args.hyp)
         elif args.command == "build":
-            build(args.src, args.hyp, args.out_src, args.out_tgt, args.scores, args.min_logprob)
+            build(args.src, args.hyp, args.out_src, args.out_tgt, args.scores, args.min_logprob, args.references)
         else:
             same_vocab(args.teacher, args.tok)
     except MtrainError as err:

@@ -94,6 +94,44 @@ def test_build_drops_empty_translations_and_low_teacher_scores(tmp_path):
     assert (tmp_path / "os").read_text() == "s1\ns4\n" and (tmp_path / "ot").read_text() == "t1\nt4\n"
 
 
+def test_build_with_references_puts_the_original_pairs_after_the_distilled_ones(tmp_path):
+    (tmp_path / "src").write_text("s1\ns2\ns3\n")
+    (tmp_path / "hyp").write_text("t1\n\nt3\n")
+    (tmp_path / "ref").write_text("r1\nr2\n\n")
+    proc = corpus_tool("build", "--src", tmp_path / "src", "--hyp", tmp_path / "hyp", "--out-src", tmp_path / "os",
+                       "--out-tgt", tmp_path / "ot", "--references", tmp_path / "ref")
+    assert proc.returncode == 0, proc.stderr
+    # distilled pairs without the empty translation, then the originals without the empty reference
+    assert (tmp_path / "os").read_text() == "s1\ns3\ns1\ns2\n"
+    assert (tmp_path / "ot").read_text() == "t1\nt3\nr1\nr2\n"
+    assert "2 of 3 pairs kept, then 2 original pairs" in proc.stderr
+
+
+def test_build_refuses_references_of_other_sources_in_one_line(tmp_path):
+    (tmp_path / "src").write_text("s1\ns2\n")
+    (tmp_path / "hyp").write_text("t1\nt2\n")
+    (tmp_path / "ref").write_text("r1\n")
+    proc = corpus_tool("build", "--src", tmp_path / "src", "--hyp", tmp_path / "hyp", "--out-src", tmp_path / "os",
+                       "--out-tgt", tmp_path / "ot", "--references", tmp_path / "ref")
+    assert proc.returncode == 2 and "1 lines for 2 sources" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "ot").exists()
+
+
+def test_with_original_shows_in_the_dry_run_and_a_corpus_built_without_it_is_refused(tmp_path):
+    teacher = tmp_path / "t.pt"
+    teacher.write_bytes(b"")
+    env = {"TEACHER": str(teacher), "DRY_RUN": "1", "DISTILL": str(tmp_path / "d"), "WITH_ORIGINAL": "1"}
+    proc = run_script(env, "de-en")
+    assert proc.returncode == 0, proc.stderr
+    assert "original pairs added: yes" in proc.stdout
+    (tmp_path / "d" / "corpus").mkdir(parents=True)
+    (tmp_path / "d" / "corpus" / "train.en").write_text("x\n")  # a finished corpus of the other kind
+    proc = run_script(env, "de-en")
+    assert proc.returncode == 2 and "built with WITH_ORIGINAL=0" in proc.stderr
+    proc = run_script({**env, "WITH_ORIGINAL": "yes"}, "de-en")
+    assert proc.returncode == 2 and "WITH_ORIGINAL=yes" in proc.stderr
+
+
 def test_same_vocab_refuses_a_student_corpus_with_another_vocabulary(tokenized_slice, tmp_path):
     from test_export import random_checkpoint
 
