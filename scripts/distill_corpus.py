@@ -3,7 +3,7 @@
   build --src --hyp --out-src --out-tgt [--scores FILE --min-logprob X] [--references REF]
                                the distilled pairs, without empty translations and, when asked,
                                without pairs whose teacher score (mean log-prob per token) is below X;
-                               with --references, followed by the original pairs (SRC, REF)
+                               with --references, after the original pairs (SRC, REF)
   same-vocab TEACHER TOKDIR    the tokenized corpus uses the teacher's SentencePiece model(s)
 Each failure is one line on stderr and exit code 2; outputs are written atomically."""
 
@@ -31,8 +31,8 @@ def check_lines(src: Path, hyp: Path) -> None:
 
 def build(src: Path, hyp: Path, out_src: Path, out_tgt: Path, scores: Path | None, min_logprob: float | None,
           references: Path | None = None) -> None:
-    """The kept distilled pairs, then (with references) every original pair with both sides non-empty:
-    the student learns from the teachers' translations and the human ones."""
+    """The kept distilled pairs, after (with references) every original pair with both sides non-empty:
+    the student learns from the human translations and the teachers' ones."""
     check_lines(src, hyp)
     sources, targets = read_stripped_lines(src), read_stripped_lines(hyp)
     keep = [bool(s.strip()) and bool(t.strip()) for s, t in zip(sources, targets)]
@@ -44,10 +44,10 @@ def build(src: Path, hyp: Path, out_src: Path, out_tgt: Path, scores: Path | Non
     pairs = [(s, t) for s, t, k in zip(sources, targets, keep) if k]
     originals = _original_pairs(src, references) if references is not None else []
     with atomic_write(out_src) as a:
-        a.writelines(s + "\n" for s, _ in pairs + originals)
+        a.writelines(s + "\n" for s, _ in originals + pairs)
     with atomic_write(out_tgt) as b:  # written last: its presence means the step is done
-        b.writelines(t + "\n" for _, t in pairs + originals)
-    also = f", then {len(originals)} original pairs" if references is not None else ""
+        b.writelines(t + "\n" for _, t in originals + pairs)
+    also = f", after {len(originals)} original pairs" if references is not None else ""
     print(f"distilled corpus: {sum(keep)} of {len(keep)} pairs kept{also}", file=sys.stderr)
 
 

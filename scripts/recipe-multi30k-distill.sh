@@ -4,7 +4,7 @@
 # 1. the teacher (TEACHER: one checkpoint, or several separated by spaces for an ensemble; default the
 #    recipe's runs/multi30k-de-en/averaged.pt) translates the training sources with beam 5;
 # 2. optionally, pairs whose teacher score (mean log-probability per token, `mtrain score`) is below
-#    FILTER_MIN_LOGPROB are dropped; WITH_ORIGINAL=1 adds the original training pairs after them (en->de:
+#    FILTER_MIN_LOGPROB are dropped; WITH_ORIGINAL=1 puts the original training pairs before them (en->de:
 #    41.31 lowercased tokenized BLEU against 40.82 from the distilled pairs alone, docs/recipe.md);
 # 3. the distilled corpus (sources + teacher translations; the original valid and test2016) is tokenized
 #    with the teacher's SentencePiece model (VOCAB=teacher, the default) or a new one (VOCAB=new);
@@ -76,7 +76,7 @@ if [ ! -f "$DISTILL/corpus/train.$TGT" ]; then
     rm -f "$DISTILL/corpus/WITH_ORIGINAL"
     if [ "$WITH_ORIGINAL" = 1 ]; then
         KEEP_ARGS+=(--references "$CORPUS/train.$TGT")
-        touch "$DISTILL/corpus/WITH_ORIGINAL"  # before train.$TGT, whose presence ends the step
+        touch "$DISTILL/corpus/WITH_ORIGINAL"  # before train.$TGT is written, whose presence ends the step
     fi
     python scripts/distill_corpus.py build --src "$CORPUS/train.$SRC" --hyp "$DISTILL/corpus/train.$TGT.teacher" \
         --out-src "$DISTILL/corpus/train.$SRC" --out-tgt "$DISTILL/corpus/train.$TGT" "${KEEP_ARGS[@]}"

@@ -94,17 +94,17 @@ def test_build_drops_empty_translations_and_low_teacher_scores(tmp_path):
     assert (tmp_path / "os").read_text() == "s1\ns4\n" and (tmp_path / "ot").read_text() == "t1\nt4\n"
 
 
-def test_build_with_references_puts_the_original_pairs_after_the_distilled_ones(tmp_path):
+def test_build_with_references_puts_the_original_pairs_before_the_distilled_ones(tmp_path):
     (tmp_path / "src").write_text("s1\ns2\ns3\n")
     (tmp_path / "hyp").write_text("t1\n\nt3\n")
     (tmp_path / "ref").write_text("r1\nr2\n\n")
     proc = corpus_tool("build", "--src", tmp_path / "src", "--hyp", tmp_path / "hyp", "--out-src", tmp_path / "os",
                        "--out-tgt", tmp_path / "ot", "--references", tmp_path / "ref")
     assert proc.returncode == 0, proc.stderr
-    # distilled pairs without the empty translation, then the originals without the empty reference
-    assert (tmp_path / "os").read_text() == "s1\ns3\ns1\ns2\n"
-    assert (tmp_path / "ot").read_text() == "t1\nt3\nr1\nr2\n"
-    assert "2 of 3 pairs kept, then 2 original pairs" in proc.stderr
+    # the originals without the empty reference, then the distilled pairs without the empty translation
+    assert (tmp_path / "os").read_text() == "s1\ns2\ns1\ns3\n"
+    assert (tmp_path / "ot").read_text() == "r1\nr2\nt1\nt3\n"
+    assert "2 of 3 pairs kept, after 2 original pairs" in proc.stderr
 
 
 def test_build_refuses_references_of_other_sources_in_one_line(tmp_path):
