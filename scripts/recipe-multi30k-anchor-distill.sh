@@ -46,7 +46,7 @@ if [ -n "${DRY_RUN:-}" ]; then
     echo "1. tokenize $CORPUS -> $TOK (vocabulary of $CONFIG)"
     for s in "${SEED_LIST[@]}"; do teacher_command "$s"; echo "2. teacher, seed $s: ${COMMAND[*]}"; done
     [ -n "${SIDE_BY_SIDE:-}" ] && echo "   the ${#SEED_LIST[@]} teachers side by side"
-    echo "3. TEACHER=\"${TEACHERS[*]}\" DISTILL=$DISTILL scripts/recipe-multi30k-distill.sh en-de $*"
+    echo "3. TEACHER=\"${TEACHERS[*]}\" DISTILL=$DISTILL${WITH_ORIGINAL:+ WITH_ORIGINAL=$WITH_ORIGINAL} scripts/recipe-multi30k-distill.sh en-de $*"
     exit 0
 fi
 

@@ -235,6 +235,9 @@ def test_the_anchor_distillation_dry_run_names_each_teacher_and_the_distillation
     assert "3 teachers side by side" in proc.stdout
     assert "seed-4/averaged.pt runs/multi30k-en-de-teacher/seed-5/averaged.pt" in proc.stdout
     assert lines[-1].endswith("recipe-multi30k-distill.sh en-de --set train.max_steps=10")  # the student's options
+    assert "WITH_ORIGINAL" not in proc.stdout
+    with_original = run_anchor_script({"DRY_RUN": "1", "WITH_ORIGINAL": "1"})
+    assert with_original.returncode == 0 and "WITH_ORIGINAL=1 scripts/recipe-multi30k-distill.sh" in with_original.stdout
 
 
 @pytest.mark.parametrize("seeds, words", [("2 x", "not a seed"), ("2 2", "distinct"), (" ", "empty")])
