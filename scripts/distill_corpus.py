@@ -42,7 +42,7 @@ def build(src: Path, hyp: Path, out_src: Path, out_tgt: Path, scores: Path | Non
             raise MtrainError(f"{scores}: {len(values)} scores for {len(sources)} pairs; delete it and re-run")
         keep = [k and v >= min_logprob for k, v in zip(keep, values)]
     pairs = [(s, t) for s, t, k in zip(sources, targets, keep) if k]
-    originals = _original_pairs(src, references) if references is not None else []
+    originals = _original_pairs(sources, src, references) if references is not None else []
     with atomic_write(out_src) as a:
         a.writelines(s + "\n" for s, _ in originals + pairs)
     with atomic_write(out_tgt) as b:  # written last: its presence means the step is done
@@ -51,8 +51,9 @@ def build(src: Path, hyp: Path, out_src: Path, out_tgt: Path, scores: Path | Non
     print(f"distilled corpus: {sum(keep)} of {len(keep)} pairs kept{also}", file=sys.stderr)
 
 
-def _original_pairs(src: Path, references: Path) -> list[tuple[str, str]]:
-    sources, refs = read_stripped_lines(src), read_stripped_lines(references)
+def _original_pairs(sources: list[str], src: Path, references: Path) -> list[tuple[str, str]]:
+    """(source, reference) for the lines of src (already read: `sources`) whose sides are both non-empty."""
+    refs = read_stripped_lines(references)
     if len(sources) != len(refs):
         raise MtrainError(f"{references}: {len(refs)} lines for {len(sources)} sources in {src}; "
                           "give the references of these sources")

@@ -76,6 +76,16 @@ def corpus_tool(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(CORPUS_TOOL), *map(str, args)], capture_output=True, text=True)
 
 
+def build_corpus(folder: Path, *options, **files: str) -> subprocess.CompletedProcess:
+    """`distill_corpus.py build` of folder/src and folder/hyp into folder/os and folder/ot, after writing
+    each of `files` (name -> text) into folder; options follow, with the names of `files` as paths."""
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    paths = [folder / o if o in files else o for o in options]
+    return corpus_tool("build", "--src", folder / "src", "--hyp", folder / "hyp", "--out-src", folder / "os",
+                       "--out-tgt", folder / "ot", *paths)
+
+
 def test_a_teacher_output_of_the_wrong_length_is_one_line(tmp_path):
     (tmp_path / "src").write_text("a\nb\nc\n")
     (tmp_path / "hyp").write_text("x\ny\n")
@@ -84,22 +94,15 @@ def test_a_teacher_output_of_the_wrong_length_is_one_line(tmp_path):
 
 
 def test_build_drops_empty_translations_and_low_teacher_scores(tmp_path):
-    (tmp_path / "src").write_text("s1\ns2\ns3\ns4\n")
-    (tmp_path / "hyp").write_text("t1\n\nt3\nt4\n")
     scores = [-0.5, -0.1, -3.0, -1.0]
-    (tmp_path / "scores").write_text("".join(json.dumps({"mean_logprob": v}) + "\n" for v in scores))
-    proc = corpus_tool("build", "--src", tmp_path / "src", "--hyp", tmp_path / "hyp", "--out-src", tmp_path / "os",
-                       "--out-tgt", tmp_path / "ot", "--scores", tmp_path / "scores", "--min-logprob", -1.0)
+    proc = build_corpus(tmp_path, "--scores", "scores", "--min-logprob", -1.0, src="s1\ns2\ns3\ns4\n",
+                        hyp="t1\n\nt3\nt4\n", scores="".join(json.dumps({"mean_logprob": v}) + "\n" for v in scores))
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "os").read_text() == "s1\ns4\n" and (tmp_path / "ot").read_text() == "t1\nt4\n"
 
 
 def test_build_with_references_puts_the_original_pairs_before_the_distilled_ones(tmp_path):
-    (tmp_path / "src").write_text("s1\ns2\ns3\n")
-    (tmp_path / "hyp").write_text("t1\n\nt3\n")
-    (tmp_path / "ref").write_text("r1\nr2\n\n")
-    proc = corpus_tool("build", "--src", tmp_path / "src", "--hyp", tmp_path / "hyp", "--out-src", tmp_path / "os",
-                       "--out-tgt", tmp_path / "ot", "--references", tmp_path / "ref")
+    proc = build_corpus(tmp_path, "--references", "ref", src="s1\ns2\ns3\n", hyp="t1\n\nt3\n", ref="r1\nr2\n\n")
     assert proc.returncode == 0, proc.stderr
     # the originals without the empty reference, then the distilled pairs without the empty translation
     assert (tmp_path / "os").read_text() == "s1\ns2\ns1\ns3\n"
@@ -108,11 +111,7 @@ def test_build_with_references_puts_the_original_pairs_before_the_distilled_ones
 
 
 def test_build_refuses_references_of_other_sources_in_one_line(tmp_path):
-    (tmp_path / "src").write_text("s1\ns2\n")
-    (tmp_path / "hyp").write_text("t1\nt2\n")
-    (tmp_path / "ref").write_text("r1\n")
-    proc = corpus_tool("build", "--src", tmp_path / "src", "--hyp", tmp_path / "hyp", "--out-src", tmp_path / "os",
-                       "--out-tgt", tmp_path / "ot", "--references", tmp_path / "ref")
+    proc = build_corpus(tmp_path, "--references", "ref", src="s1\ns2\n", hyp="t1\nt2\n", ref="r1\n")
     assert proc.returncode == 2 and "1 lines for 2 sources" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "ot").exists()
 
