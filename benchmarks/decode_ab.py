@@ -40,7 +40,7 @@ import torch  # noqa: E402
 import mtrain.model as model_module  # noqa: E402
 import mtrain.search as search_module  # noqa: E402
 from mtrain.hardware import cpu_has_native_bf16, machine_record  # noqa: E402
-from mtrain.kernels import logsumexp_, logsumexp_near_  # noqa: E402
+from mtrain.kernels import logsumexp_, logsumexp_near_, softmax_rows  # noqa: E402
 from mtrain.model import Transformer  # noqa: E402
 from mtrain.quantize import bfloat16_weights  # noqa: E402
 from mtrain.search import beam_search, greedy_search  # noqa: E402
@@ -54,6 +54,10 @@ def setter(module, name: str, value):
 COMPARISONS = {
     "attention": {"kernel": setter(model_module, "CACHE_ATTENTION_BY_MATMULS", ()),
                   "matmuls": setter(model_module, "CACHE_ATTENTION_BY_MATMULS", (torch.bfloat16,))},
+    "softmax": {"unpadded": setter(model_module, "softmax_rows", lambda x: torch.softmax(x, dim=-1)),
+                "padded": setter(model_module, "softmax_rows", softmax_rows)},
+    "folded": {"kernel": setter(model_module, "CACHE_ATTENTION_QUERIES", 1),
+               "matmuls": setter(model_module, "CACHE_ATTENTION_QUERIES", 64)},
     "normaliser": {"shifted": setter(search_module, "NORMALISER", logsumexp_),
                    "unshifted": setter(search_module, "NORMALISER", logsumexp_near_)},
 }

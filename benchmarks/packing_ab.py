@@ -2,11 +2,14 @@
 on the padded batch, alternated batch by batch in one process, so that load from elsewhere on a
 shared machine hits both alike. With --attention, both steps packed: attention from the rows
 straight to the heads (mtrain.model.HEADS_FROM_ROWS) against attention through the padded grid.
+With --softmax, both packed: attention's softmax over rows shorter than 16 padded to 16
+(mtrain.kernels.softmax_rows) against torch's softmax on the rows as they are.
 
     python benchmarks/packing_ab.py --bf16 --threads 2                 # small shape, bfloat16 autocast
     python benchmarks/packing_ab.py --bf16 --shape base --batches 3    # the paper's base shape
     python benchmarks/packing_ab.py --threads 2 --json                 # float32
     python benchmarks/packing_ab.py --bf16 --attention --threads 2     # rows to heads against the grid
+    python benchmarks/packing_ab.py --bf16 --softmax --threads 2       # padded short softmax rows or not
 
 First one step of each from the same weights without dropout: their losses and the largest
 gradient difference relative to the gradient's largest entry (float32: summation order only;
@@ -30,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_step as ts  # noqa: E402  (the same shapes, lengths and batches)
 from ab import alternate  # noqa: E402
 
+import mtrain.kernels as kernels  # noqa: E402
 import mtrain.loss as loss_module  # noqa: E402
 import mtrain.model as model_module  # noqa: E402
 from mtrain.loss import Objective  # noqa: E402
@@ -47,10 +51,25 @@ def choose(packs, heads_from_rows: tuple[torch.dtype, ...]):
     return apply
 
 
+SOFTMAX = (kernels.softmax_rows, kernels.softmax_rows_backward)
+TORCH_SOFTMAX = (lambda x: torch.softmax(x, dim=-1),
+                 lambda grad, weights: torch._softmax_backward_data(grad, weights, -1, weights.dtype))
+
+
+def softmax(forward_backward):
+    """A variant of the packed step whose attention takes this softmax (forward, backward)."""
+    def apply() -> None:
+        choose(PACKED, HEADS)()
+        kernels.softmax_rows, kernels.softmax_rows_backward = forward_backward
+        model_module.softmax_rows = forward_backward[0]
+    return apply
+
+
 # Each comparison: {baseline, candidate}, in that order.
 COMPARISONS = {
     "packing": {"padded": choose(PADDED, HEADS), "packed": choose(PACKED, HEADS)},
     "attention": {"grid": choose(PACKED, ()), "heads": choose(PACKED, HEADS)},
+    "softmax": {"unpadded": softmax(TORCH_SOFTMAX), "padded": softmax(SOFTMAX)},
 }
 
 
@@ -122,9 +141,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser = step_options(__doc__, batches=6, rounds=3)
     parser.add_argument("--attention", action="store_true",
                         help="both packed: attention from the rows to the heads against through the grid")
+    parser.add_argument("--softmax", action="store_true",
+                        help="both packed: short softmax rows padded to 16 against as they are")
     args = parser.parse_args(argv)
     cfg, batches, lengths = step_batches(args)
-    variants = COMPARISONS["attention" if args.attention else "packing"]
+    variants = COMPARISONS["softmax" if args.softmax else "attention" if args.attention else "packing"]
     baseline, candidate = variants
     check = parity(cfg, batches[0], args.bf16, variants)
     print(f"one step, no dropout: loss {baseline} {check['loss'][baseline]:.6f}, {candidate} "

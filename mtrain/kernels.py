@@ -370,7 +370,7 @@ def _attention_forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: tuple[Tensor,
     if mask is not None:
         keep, shape = mask
         scores.view(shape).add_(torch.zeros(keep.shape, dtype=scores.dtype, device=q.device).masked_fill_(~keep, NEG_INF))
-    weights = torch.softmax(scores, dim=-1).nan_to_num_(nan=0.0)  # a row of -inf: 0, not NaN
+    weights = softmax_rows(scores).nan_to_num_(nan=0.0)  # a row of -inf: 0, not NaN
     rounded = weights.to(q.dtype)  # weights itself unless q is bfloat16
     ctx.save_for_backward(q, k, v, weights, rounded)
     ctx.scale = scale
@@ -381,11 +381,41 @@ def _attention_backward(ctx, grad: Tensor, grad_q: Tensor, grad_k: Tensor, grad_
     """The gradients of _attention_forward for (G, T, D) grad, written into grad_q, grad_k, grad_v."""
     q, k, v, weights, rounded = ctx.saved_tensors
     grad_weights = torch.bmm(grad, v.transpose(1, 2)).to(weights.dtype)
-    grad_scores = torch._softmax_backward_data(grad_weights, weights, -1, weights.dtype)
+    grad_scores = softmax_rows_backward(grad_weights, weights)
     grad_scores = grad_scores.mul_(ctx.scale).to(q.dtype)
     torch.bmm(grad_scores, k, out=grad_q)
     torch.bmm(grad_scores.transpose(1, 2), q, out=grad_k)
     torch.bmm(rounded.transpose(1, 2), grad, out=grad_v)
+
+
+# PyTorch's CPU softmax over a last dimension shorter than 16 takes an element-by-element path: over
+# 12 columns (1200 x 12 rows) forward took 1.29 ms and backward 0.51 ms, over the same rows padded
+# with -inf to 16 columns 0.15 and 0.08 (2-core AMX host, docs/benchmarks.md). Attention's rows are
+# that short wherever sentences are: Multi30k's length buckets, a search's first steps.
+SOFTMAX_WIDTH = 16
+
+
+def _pads_softmax(x: Tensor) -> bool:
+    return x.device.type == "cpu" and 1 < x.size(-1) < SOFTMAX_WIDTH
+
+
+def softmax_rows(x: Tensor) -> Tensor:
+    """torch.softmax(x, dim=-1). On a CPU, rows shorter than SOFTMAX_WIDTH are padded with -inf to
+    that width, whose exp adds exactly 0 to each sum; the result is a view of the padded weights
+    (last stride SOFTMAX_WIDTH), which matmuls read in place. Differentiable."""
+    if not _pads_softmax(x):
+        return torch.softmax(x, dim=-1)
+    width = x.size(-1)
+    return torch.softmax(F.pad(x, (0, SOFTMAX_WIDTH - width), value=NEG_INF), dim=-1)[..., :width]
+
+
+def softmax_rows_backward(grad: Tensor, weights: Tensor) -> Tensor:
+    """The gradient of the scores from that of softmax_rows' weights: w * (g - sum(g * w)) per row,
+    with short rows padded by zeros in g and w, which add nothing to the sum."""
+    if not _pads_softmax(weights):
+        return torch._softmax_backward_data(grad, weights, -1, weights.dtype)
+    width, pad = weights.size(-1), (0, SOFTMAX_WIDTH - weights.size(-1))
+    return torch._softmax_backward_data(F.pad(grad, pad), F.pad(weights, pad), -1, weights.dtype)[..., :width]
 
 
 def _softmax_dtype(q: Tensor) -> torch.dtype:

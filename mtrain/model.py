@@ -14,7 +14,7 @@ from mtrain.cache import BeamCache, KVCache, LayerCache
 from mtrain.config import ModelConfig
 from mtrain.errors import MtrainError
 from mtrain.kernels import (Dropout, batched_attention, dropout, dropout_linear, heads_attention, linear,
-                            linear_relu_dropout)
+                            linear_relu_dropout, softmax_rows)
 from mtrain.packing import Packing
 
 
@@ -55,7 +55,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: floa
         if k.dtype == torch.bfloat16:
             return bfloat16_attention(q, k, v, mask, dropout_p, is_causal)
         with torch.autocast("cpu", enabled=False):  # autocast would cast them back to bfloat16
-            if q.dtype in CACHE_ATTENTION_BY_MATMULS and q.size(-2) == 1 and dropout_p == 0.0:
+            if q.dtype in CACHE_ATTENTION_BY_MATMULS and q.size(-2) <= CACHE_ATTENTION_QUERIES and dropout_p == 0.0:
                 return cache_attention(q, k, v, mask, is_causal)
             return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
                                                   dropout_p=dropout_p, is_causal=is_causal).to(q.dtype)
@@ -67,6 +67,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: floa
 # The query dtypes whose attention over a decoding cache's float32 keys runs as cache_attention's
 # matmuls rather than PyTorch's CPU kernel (benchmarks/decode_ab.py compares the two).
 CACHE_ATTENTION_BY_MATMULS = (torch.bfloat16,)
+# The most queries per row (beam search folds a sentence's beams into one row) that take them.
+CACHE_ATTENTION_QUERIES = 1
 
 
 def cache_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
@@ -83,7 +85,7 @@ def cache_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_cau
         mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1).nan_to_num_(nan=0.0)
+    weights = softmax_rows(scores).nan_to_num_(nan=0.0)
     return torch.matmul(weights, v).to(q.dtype)
 
 
@@ -121,7 +123,7 @@ def bfloat16_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dro
         mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    weights = dropout(torch.softmax(scores, dim=-1).to(q.dtype), dropout_p)
+    weights = dropout(softmax_rows(scores).to(q.dtype), dropout_p)
     return weights @ v
 
 

@@ -407,3 +407,30 @@ def test_onednn_training_linear_is_the_plain_composition(dtype, relu, p):
     assert (got[0][~keep] == 0).all()  # dropped outputs are exactly 0
     if relu:
         assert (got[0] >= 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_softmax_rows_is_torch_softmax_in_value_and_gradient_at_every_width(dtype):
+    """kernels.softmax_rows pads rows shorter than 16 with -inf on a CPU: every width from 1 to 20
+    gives torch.softmax's weights (masked -inf entries included, a row of only -inf NaN as torch
+    gives it) and softmax_rows_backward gives autograd's gradient of torch.softmax."""
+    from mtrain.kernels import softmax_rows, softmax_rows_backward
+
+    gen = torch.Generator().manual_seed(3)
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-13
+    for width in range(1, 21):
+        x = torch.randn(5, 7, width, generator=gen, dtype=dtype) * 4
+        x[1, :, width // 2 :] = float("-inf")  # masked keys
+        x[2, 3] = float("-inf")  # a query with nothing to attend to
+        want = torch.softmax(x, dim=-1)
+        got = softmax_rows(x)
+        assert got.shape == x.shape
+        assert got[2, 3].isnan().all() and want[2, 3].isnan().all()
+        got, want = got.nan_to_num(), want.nan_to_num()
+        assert (got - want).abs().max().item() < tolerance
+        grad = torch.randn(x.shape, generator=gen, dtype=dtype)
+        leaf = x.clone().requires_grad_()
+        torch.softmax(leaf, dim=-1).nan_to_num().backward(grad)
+        ours = softmax_rows_backward(grad, got)
+        assert ours.shape == x.shape
+        assert (ours - leaf.grad.nan_to_num()).abs().max().item() < tolerance
