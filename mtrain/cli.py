@@ -195,6 +195,7 @@ def translate(
     seed: Optional[int] = typer.Option(None, "--seed", help="With --sample: the same seed gives the same samples, however the input is batched (default 0)."),
     prefix: Optional[str] = typer.Option(None, "--prefix", help="A file whose line i (raw target text) starts line i's translation; an empty line means no prefix. The prefix counts toward the length limit."),
     no_repeat_ngram: Optional[int] = typer.Option(None, "--no-repeat-ngram", help="Never produce the same N-gram of subwords twice in one translation (0 = off)."),
+    workers: Optional[int] = typer.Option(None, "--workers", help="On a CPU: decode in N processes side by side, the threads shared among them; the same translations (decode.workers, default 1)."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
     overrides: Optional[List[str]] = SetOpt,
 ) -> None:
@@ -216,6 +217,7 @@ def translate(
             "decode.temperature": temperature,
             "decode.seed": seed,
             "decode.no_repeat_ngram": no_repeat_ngram,
+            "decode.workers": workers,
         },
     )
     from mtrain.translate import translate_file

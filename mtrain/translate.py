@@ -28,6 +28,7 @@ from mtrain.hardware import decode_autocast, resolve_amp, resolve_device
 from mtrain.quantize import bfloat16_weights, check_quantize, quantize_int8, weights_dtype
 from mtrain.search import Decoder, Sampling, beam_search, greedy_search, sample, stream_key
 from mtrain.tokenizer import EOS_ID, PAD_ID, Side, Tokenizer
+from mtrain.workers import DecodingPool
 
 CHUNK_LINES = 2000  # lines read, translated and written at a time: memory stays bounded on big inputs
 # Characters of one line that reach SentencePiece, per token of the model's max_len. A piece is at
@@ -60,6 +61,7 @@ def check_decode(decode: DecodeConfig) -> None:
         (decode.max_len_a < 0, f"--max-len-a {decode.max_len_a}: must not be negative"),
         (decode.max_len_b < 0, f"--max-len-b {decode.max_len_b}: must not be negative"),
         (decode.max_tokens < 1, f"--max-tokens {decode.max_tokens}: must be at least 1"),
+        (decode.workers < 1, f"--workers {decode.workers}: must be at least 1"),
     ]
     for bad, message in problems:
         if bad:
@@ -140,6 +142,53 @@ def decoding_model(model: nn.Module, decode: DecodeConfig, device: torch.device,
     return model
 
 
+@dataclasses.dataclass
+class BatchJob:
+    """One batch to search: its sources' ids, the slope of their length limits, forced prefixes
+    (or None) and line numbers (which pick sampling streams). Plain data, so a worker process
+    (mtrain.workers) can be sent it."""
+
+    sources: list[list[int]]
+    slope: float
+    prefixes: list[list[int]] | None
+    lines: list[int]
+    decode: DecodeConfig
+
+
+def search_batch(model: Decoder | Engine, job: BatchJob, device: torch.device) -> list[list[tuple[list[int], float]]]:
+    """decode.nbest (ids, score) per source of the job (_search), each with at most
+    slope * its length + decode.max_len_b tokens."""
+    decode = job.decode
+    src = pad_sources(job.sources, device)
+    src_len = torch.tensor([len(seq) for seq in job.sources], dtype=torch.float64)
+    max_len = (job.slope * src_len + decode.max_len_b).floor().long()
+    # decode.amp over float32 weights: autocast. Weights that decoding_model made bfloat16 need none.
+    # Either way a caller's autocast (a training loop's) is switched off: the precision is decode's.
+    bf16_weights = not isinstance(model, Engine) and weights_dtype(model) == torch.bfloat16
+    with decode_autocast("off" if bf16_weights else decode.amp, device):
+        return _search(model, src, max_len, decode, job.prefixes, job.lines)
+
+
+def worker_model(checkpoints: list[str | Path], decode: DecodeConfig) -> Decoder | Engine:
+    """A decoding process's model (mtrain.workers): what load_for_decoding gives on the CPU."""
+    return load_for_decoding(checkpoints, torch.device("cpu"), decode)[0]
+
+
+def worker_search(model: Decoder | Engine, job: BatchJob) -> list[list[tuple[list[int], float]]]:
+    return search_batch(model, job, torch.device("cpu"))
+
+
+def decoding_pool(checkpoints: list[str | Path], decode: DecodeConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    """decode.workers processes that search batches (mtrain.workers), or, for 1, nullcontext(None)."""
+    if decode.workers == 1:
+        return contextlib.nullcontext(None)
+    if device.type != "cpu":
+        raise MtrainError(f"decode.workers={decode.workers}: decoding processes share a CPU; on {device} use "
+                          "decode.workers=1 (one process keeps the GPU busy)")
+    return DecodingPool(worker_model, (list(checkpoints), decode), worker_search, decode.workers,
+                        torch.get_num_threads())
+
+
 def _search(model: Decoder | Engine, src: torch.Tensor, max_len: torch.Tensor, decode: DecodeConfig,
             prefixes: list[list[int]] | None, lines: list[int]) -> list[list[tuple[list[int], float]]]:
     """decode.nbest (ids, score) per row: beam search, sampling, or greedy search (score 0.0).
@@ -179,13 +228,14 @@ def encode_capped(side: Side, lines: list[str], max_len: int) -> tuple[list[list
 
 def translate_nbest(model: Decoder, tokenizer: Tokenizer, lines: list[str], decode: DecodeConfig, device: torch.device | str,
                     stats: dict[str, Any] | None = None, bar=None, prefixes: list[str] | None = None,
-                    first_line: int = 0) -> tuple[Hypotheses, Counter[str]]:
+                    first_line: int = 0, pool: DecodingPool | None = None) -> tuple[Hypotheses, Counter[str]]:
     """The n-best (text, score) of each line in input order, and the number of lines cut to the
     model's max_len: {"input": n, "prefix": m}. prefixes[i] (raw target text; "" = none) starts
     line i's translation. first_line: the number of lines[0] in the whole input (sampling draws by
     line number, so samples do not depend on how the input is cut into chunks and batches). Empty
     and whitespace-only lines get `decode.nbest` translations that are just their prefix (score
-    0.0) without running the model."""
+    0.0) without running the model. pool: the batches are searched in its processes (decode.workers),
+    each as `model` would search it here."""
     check_decode(decode)
     device = torch.device(device)
     ids, n_cut = encode_capped(tokenizer.src, lines, model.cfg.max_len)
@@ -195,18 +245,11 @@ def translate_nbest(model: Decoder, tokenizer: Tokenizer, lines: list[str], deco
     results: Hypotheses = [[(LINE_BREAKS.sub(" ", text), 0.0)] * decode.nbest for text in bare]
     todo = [i for i, seq in enumerate(ids) if seq]
     slope = length_slope(decode, stats)
-    # decode.amp over float32 weights: autocast. Weights that decoding_model made bfloat16 need none.
-    # Either way a caller's autocast (a training loop's) is switched off: the precision is decode's.
-    bf16_weights = weights_dtype(model) == torch.bfloat16
-    precision = decode_autocast("off" if bf16_weights else decode.amp, device)
-    for batch in decode_batches([len(ids[i]) for i in todo], decode.max_tokens):
-        rows = [todo[j] for j in batch]
-        src = pad_sources([ids[i] for i in rows], device)
-        src_len = torch.tensor([len(ids[i]) for i in rows], dtype=torch.float64)
-        max_len = (slope * src_len + decode.max_len_b).floor().long()
-        row_prefixes = None if forced is None else [forced[i] for i in rows]
-        with precision:
-            hyps = _search(model, src, max_len, decode, row_prefixes, [first_line + i for i in rows])
+    batches = [[todo[j] for j in batch] for batch in decode_batches([len(ids[i]) for i in todo], decode.max_tokens)]
+    jobs = [BatchJob([ids[i] for i in rows], slope, None if forced is None else [forced[i] for i in rows],
+                     [first_line + i for i in rows], decode) for rows in batches]
+    searched = pool.map(jobs) if pool is not None else (search_batch(model, job, device) for job in jobs)
+    for rows, hyps in zip(batches, searched):
         texts = tokenizer.tgt.decode([h for nbest in hyps for h, _ in nbest])
         for k, i in enumerate(rows):
             chunk = texts[k * decode.nbest : (k + 1) * decode.nbest]
@@ -227,12 +270,14 @@ def warn_cut(cuts: Counter[str], max_len: int) -> None:
 
 
 def translate_lines(model: Decoder, tokenizer: Tokenizer, lines: list[str], decode: DecodeConfig, device: torch.device | str,
-                    stats: dict[str, Any] | None = None, progress: bool = False) -> list[str]:
+                    stats: dict[str, Any] | None = None, progress: bool = False,
+                    pool: DecodingPool | None = None) -> list[str]:
     """Detokenized best translations, one per input line, in input order (empty lines stay empty).
-    `stats` is the checkpoint's stats.json (see length_slope); `progress` shows tqdm on stderr."""
+    `stats` is the checkpoint's stats.json (see length_slope); `progress` shows tqdm on stderr;
+    `pool` searches the batches in its processes."""
     one_best = dataclasses.replace(decode, nbest=1)
     with tqdm(total=len(lines), unit=" lines", file=sys.stderr, disable=not progress, leave=False) as bar:
-        results, cuts = translate_nbest(model, tokenizer, lines, one_best, device, stats, bar)
+        results, cuts = translate_nbest(model, tokenizer, lines, one_best, device, stats, bar, pool=pool)
     warn_cut(cuts, model.cfg.max_len)
     return [nbest[0][0] for nbest in results]
 
@@ -243,7 +288,9 @@ def translate_checkpoints(checkpoints: str | Path | list[str | Path], lines: lis
     check_decode(decode)
     resolved = resolve_device(device)
     model, tokenizer, ckpt = load_for_decoding(checkpoints, resolved, decode)
-    return translate_lines(model, tokenizer, lines, decode, resolved, stats=ckpt.get("stats") or None, progress=True)
+    with decoding_pool(checkpoints, decode, resolved) as pool:
+        return translate_lines(model, tokenizer, lines, decode, resolved, stats=ckpt.get("stats") or None,
+                               progress=True, pool=pool)
 
 
 # --- files -------------------------------------------------------------------------------------
@@ -376,15 +423,17 @@ def translate_file(checkpoints: str | Path | list[str | Path], input: str, outpu
     with open_input(input) as (handle, name, interactive), contextlib.ExitStack() as stack:
         model, tokenizer, ckpt = load_for_decoding(checkpoints, resolved, decode)
         stats = ckpt.get("stats") or None
-        # Typed lines are answered one at a time; files and pipes go in chunks with a progress bar.
-        size = 1 if interactive else CHUNK_LINES
+        pool = stack.enter_context(decoding_pool(checkpoints, decode, resolved))
+        # Typed lines are answered one at a time; files and pipes go in chunks with a progress bar,
+        # enough of them at once to keep every decoding process busy.
+        size = 1 if interactive else CHUNK_LINES * decode.workers
         cap = char_cap(model.cfg.max_len)
         prefixes = None if prefix is None else read_chunks(stack.enter_context(open(prefix, "rb")), prefix, size, cap)
         cuts: Counter[str] = Counter()
         done = 0
         with atomic_output(output) as sink, tqdm(unit=" lines", file=sys.stderr, disable=interactive, leave=False) as bar:
             for lines, starts in paired_chunks(read_chunks(handle, name, size, cap), prefixes, str(prefix), name):
-                results, cut = translate_nbest(model, tokenizer, lines, decode, resolved, stats, bar, starts, done)
+                results, cut = translate_nbest(model, tokenizer, lines, decode, resolved, stats, bar, starts, done, pool)
                 sink.write(format_lines(results, done, decode.nbest))
                 sink.flush()
                 cuts, done = cuts + cut, done + len(lines)

@@ -186,12 +186,46 @@ def test_cli_invalid_utf8_names_the_line_and_keeps_the_old_output(checkpoint, tm
     (["--greedy", "--nbest", "2"], "--nbest 2"),
     (["--max-len-a", "-1"], "--max-len-a"),
     (["--max-len-b", "-2"], "--max-len-b"),
+    (["--workers", "0"], "--workers 0"),
     (["--device", "cuda:7"] if not torch.cuda.is_available() else ["--device", "nonsense"], "--device"),
 ])
 def test_cli_bad_arguments_fail_in_one_line(checkpoint, args, needle):
     result = run("--checkpoint", checkpoint, *args, input="Hallo\n")
     assert result.exit_code == 1
     assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("search", [["--greedy"], ["--beam", "3", "--nbest", "2"],
+                                    ["--sample", "--nbest", "2", "--topk", "5", "--seed", "3"]])
+def test_cli_workers_translate_as_one_process_does(checkpoint, tmp_path, monkeypatch, search):
+    """--workers 2 decodes the batches in two processes (mtrain.workers): the output is the one
+    process's, byte for byte, over several chunks of many small batches, with empty lines kept."""
+    import mtrain.translate as translate_module
+
+    monkeypatch.setattr(translate_module, "CHUNK_LINES", 4)  # the reading side, in this process
+    lines = (REAL + ["", "  "]) * 3
+    src = tmp_path / "in.de"
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    outputs = []
+    for workers in (1, 2):
+        out = tmp_path / f"out{workers}.en"
+        result = run("--checkpoint", checkpoint, "-i", src, "-o", out, "--max-tokens", "24", "--device", "cpu",
+                     "--workers", workers, *search)
+        assert result.exit_code == 0, result.output
+        outputs.append(out.read_bytes())
+    assert outputs[0] == outputs[1]
+    assert len(outputs[0].decode().splitlines()) == len(lines) * (2 if "--nbest" in search else 1)
+
+
+def test_workers_need_a_cpu(checkpoint):
+    """Decoding processes share a CPU: asked for on a GPU device, one line says to use one."""
+    from mtrain.errors import MtrainError
+    from mtrain.translate import decoding_pool
+
+    with pytest.raises(MtrainError, match="decode.workers=2: .* use decode.workers=1"):
+        decoding_pool([checkpoint], DecodeConfig(workers=2), torch.device("cuda"))
+    with decoding_pool([checkpoint], DecodeConfig(workers=1), torch.device("cuda")) as pool:
+        assert pool is None
 
 
 def beam3_lines(checkpoint, setting: str, lines: list[str]) -> list[str]:
