@@ -1,0 +1,170 @@
+"""Threads or processes for decoding on a CPU, on benchmarks/decode.py's model, sentences and batches:
+- mtrain with bfloat16 weights (float32 with --float32), greedy and beam 5: one process with T
+  threads, one with 1 thread, and T processes with 1 thread each side by side, each decoding every
+  batch (sentences/s in all: what `mtrain translate --workers T` can reach on a large input);
+- Hugging Face greedy `generate` (when transformers is installed), the same three ways;
+- CTranslate2 int8 (when installed): intra_threads=T, inter_threads=1 (benchmarks/decode.py's setting)
+  against intra_threads=1, inter_threads=T, the batches submitted at once.
+
+    python benchmarks/decode_processes.py [--threads 2] [--sentences 1000] [--float32] [--json]
+
+Each measurement runs in a fresh process of its own and times a second pass over the batches
+(the first makes oneDNN's kernels for their shapes)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def mtrain_pass(args: argparse.Namespace, threads: int, beam: int) -> float:
+    """Seconds of the timed pass of one process decoding every batch (run in a child process)."""
+    from mtrain import mkl_dispatch
+
+    mkl_dispatch.enable()  # before torch, as the CLI does
+    import decode as bench
+    import torch
+
+    from mtrain.model import Transformer
+    from mtrain.quantize import bfloat16_weights
+
+    torch.set_num_threads(threads)
+    tokenizer = bench.load_tokenizer(bench.corpus_dir())
+    lines = (bench.corpus_dir() / "test2016.de").read_text(encoding="utf-8").splitlines()[: args.sentences]
+    batches = bench.batches_of(tokenizer.src.encode(lines))
+    torch.manual_seed(0)
+    model = Transformer(bench.SHAPE).eval()
+    model = bench.FixedLength(model if args.float32 else bfloat16_weights(model))
+    for _ in range(2):
+        start = time.perf_counter()
+        for src, steps in batches:
+            bench.run_mtrain([model], src, steps, beam)
+        seconds = time.perf_counter() - start
+    return seconds
+
+
+def hf_pass(args: argparse.Namespace, threads: int) -> float:
+    """Seconds of the timed pass of Hugging Face greedy `generate` over every batch (a child process)."""
+    import decode as bench
+    import torch
+    from transformers import MarianMTModel
+
+    torch.set_num_threads(threads)
+    tokenizer = bench.load_tokenizer(bench.corpus_dir())
+    lines = (bench.corpus_dir() / "test2016.de").read_text(encoding="utf-8").splitlines()[: args.sentences]
+    batches = bench.batches_of(tokenizer.src.encode(lines))
+    torch.manual_seed(0)
+    hf = MarianMTModel(bench.marian_config(bench.SHAPE.vocab_size)).eval()
+    for _ in range(2):
+        start = time.perf_counter()
+        for src, steps in batches:
+            bench.run_hf(hf, src, steps, 1, bench.SHAPE.vocab_size)
+        seconds = time.perf_counter() - start
+    return seconds
+
+
+def ct2_rates(args: argparse.Namespace) -> dict[str, float]:
+    """CTranslate2 int8 sentences/s, greedy and beam 5, intra- against inter-threads."""
+    import decode as bench
+    import torch
+    from transformers import MarianMTModel
+
+    import ctranslate2
+    from mtrain.export.runtime import pieces
+
+    tokenizer = bench.load_tokenizer(bench.corpus_dir())
+    lines = (bench.corpus_dir() / "test2016.de").read_text(encoding="utf-8").splitlines()[: args.sentences]
+    batches = bench.batches_of(tokenizer.src.encode(lines))
+    names = pieces(tokenizer.src.model)
+    torch.manual_seed(0)
+    hf = MarianMTModel(bench.marian_config(bench.SHAPE.vocab_size)).eval()
+    rates = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = str(bench.save_marian_for_ct2(hf, tokenizer, Path(tmp)))
+        data = [([[names[i] for i in row if i != bench.PAD_ID] for row in src.tolist()], steps) for src, steps in batches]
+        for beam in (1, 5):
+            for intra, inter in ((args.threads, 1), (1, args.threads)):
+                translator = ctranslate2.Translator(folder, device="cpu", compute_type="int8", intra_threads=intra,
+                                                    inter_threads=inter)
+                for _ in range(2):
+                    start = time.perf_counter()
+                    pending = [translator.translate_batch(rows, beam_size=beam, min_decoding_length=steps,
+                                                          max_decoding_length=steps, length_penalty=0.6,
+                                                          max_batch_size=0, asynchronous=True)
+                               for rows, steps in data]
+                    for results in pending:
+                        for result in results:
+                            result.result()
+                    seconds = time.perf_counter() - start
+                rates[f"ct2_int8_{'greedy' if beam == 1 else 'beam5'}_intra{intra}_inter{inter}"] = round(
+                    len(lines) / seconds, 1)
+                del translator
+    return rates
+
+
+def child(argv: list[str]) -> list[str]:
+    """The command that reruns this script as one measurement."""
+    return [sys.executable, str(Path(__file__).resolve()), *argv]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--sentences", type=int, default=1000)
+    parser.add_argument("--float32", action="store_true", help="the float32 model instead of its bfloat16 copy")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--one", nargs=2, type=int, metavar=("THREADS", "BEAM"), help=argparse.SUPPRESS)
+    parser.add_argument("--ct2", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--hf", type=int, metavar="THREADS", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:  # a child: one process's seconds
+        print(mtrain_pass(args, *args.one))
+        return {}
+    if args.hf:
+        print(hf_pass(args, args.hf))
+        return {}
+    if args.ct2:
+        print(json.dumps(ct2_rates(args)))
+        return {}
+    common = ["--sentences", str(args.sentences), "--threads", str(args.threads)] + (["--float32"] if args.float32 else [])
+    run = lambda extra: subprocess.run(child(common + extra), check=True, capture_output=True, text=True).stdout  # noqa: E731
+    from mtrain.hardware import machine_record
+
+    result = {"precision": "float32" if args.float32 else "bfloat16 weights", "threads": args.threads,
+              "sentences": args.sentences, "hardware": machine_record()}
+    n = args.sentences
+    systems = [("mtrain_greedy", ["--one", "{threads}", "1"]), ("mtrain_beam5", ["--one", "{threads}", "5"])]
+    if importlib.util.find_spec("transformers"):
+        systems.append(("hf_greedy", ["--hf", "{threads}"]))
+    for name, extra in systems:
+        command = lambda threads: [a.format(threads=threads) for a in extra]  # noqa: E731
+        result[f"{name}_1_process_{args.threads}_threads"] = round(n / float(run(command(args.threads))), 1)
+        result[f"{name}_1_process_1_thread"] = round(n / float(run(command(1))), 1)
+        side_by_side = [subprocess.Popen(child(common + command(1)), stdout=subprocess.PIPE, text=True,
+                                         stderr=subprocess.DEVNULL) for _ in range(args.threads)]
+        rates = [n / float(p.communicate()[0]) for p in side_by_side]
+        result[f"{name}_{args.threads}_processes_1_thread"] = round(sum(rates), 1)
+        result[f"{name}_processes_vs_threads"] = round(sum(rates) / result[f"{name}_1_process_{args.threads}_threads"], 3)
+    try:
+        result.update(json.loads(run(["--ct2"])))
+    except subprocess.CalledProcessError as error:  # no CTranslate2 or transformers here
+        print(f"CTranslate2 skipped: {error.stderr.strip().splitlines()[-1]}", file=sys.stderr)
+    for key, value in result.items():
+        if key != "hardware":
+            print(f"{key}: {value}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
