@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -41,3 +45,47 @@ def test_a_worker_that_dies_ends_the_run_with_one_line():
 @pytest.mark.parametrize("workers, threads, each", [(1, 8, 8), (2, 8, 4), (3, 8, 2), (4, 2, 1), (2, 1, 1)])
 def test_threads_are_shared_and_every_worker_gets_one(workers, threads, each):
     assert threads_per_worker(workers, threads) == each
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_the_processes_benchmark_times_threads_against_processes(multi30k_dir):
+    """benchmarks/decode_processes.py at its smallest: every mtrain row (one process with 2 threads,
+    with 1, and two 1-thread processes side by side) holds a positive rate and its ratio."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_processes.py"), "--sentences", "16",
+                           "--threads", "2", "--json"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    for search in ("greedy", "beam5"):
+        rates = [result[f"mtrain_{search}_{form}"] for form in ("1_process_2_threads", "1_process_1_thread",
+                                                                  "2_processes_1_thread")]
+        assert all(rate > 0 for rate in rates)
+        assert result[f"mtrain_{search}_processes_vs_threads"] == pytest.approx(rates[2] / rates[0], abs=2e-3)
+
+
+@pytest.mark.slow
+def test_the_translate_workers_benchmark_finds_the_same_output(multi30k_dir, tokenized_slice, tmp_path):
+    """benchmarks/translate_workers.py end to end on a tiny random checkpoint: one process and two
+    workers give identical files for greedy and beam 5."""
+    import torch
+
+    from mtrain.checkpoint import make, save_atomic
+    from mtrain.config import Config, ModelConfig, to_dict
+    from mtrain.data import TokenizedData
+    from mtrain.model import Transformer
+
+    data = TokenizedData(tokenized_slice)
+    cfg = ModelConfig(d_model=32, d_ff=64, n_heads=2, n_encoder_layers=1, n_decoder_layers=1,
+                      vocab_size=data.tokenizer.tgt.vocab_size, max_len=48)
+    torch.manual_seed(0)
+    path = tmp_path / "best.pt"
+    save_atomic(make(to_dict(Config(model=cfg)), Transformer(cfg).state_dict(), data.tokenizer.to_state(), data.stats,
+                     0), path)
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "translate_workers.py"), "--checkpoint", str(path),
+                           "--repeat", "1", "--rounds", "1", "--json"], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    searches = json.loads(done.stdout)["searches"]
+    assert set(searches) == {"greedy", "beam 5"} and all(s["identical_output"] for s in searches.values())
