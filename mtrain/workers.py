@@ -71,11 +71,22 @@ class DecodingPool:
             raise MtrainError(f"decode.workers={self.workers}: a decoding process ended before its batch was done "
                               f"({error}); out of memory? Run again with fewer workers") from None
 
-    def close(self) -> None:
-        self.executor.shutdown(wait=True, cancel_futures=True)
+    def close(self, finished: bool = True) -> None:
+        """Wait for the processes to end; when the run did not finish (an error, Ctrl-C), stop them
+        at once rather than let them finish batches nobody will read."""
+        if finished:
+            self.executor.shutdown(wait=True, cancel_futures=True)
+            return
+        if hasattr(self.executor, "terminate_workers"):  # Python 3.14
+            self.executor.terminate_workers()
+            return
+        processes = list((getattr(self.executor, "_processes", None) or {}).values())  # shutdown forgets them
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.terminate()
 
     def __enter__(self) -> "DecodingPool":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
+        self.close(finished=exc_type is None)

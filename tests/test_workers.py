@@ -36,6 +36,32 @@ def test_results_come_in_job_order_from_models_built_once_per_worker():
     assert {threads for _, threads in results} == {2}  # 4 threads shared by 2 workers
 
 
+def sleep_unless_first(model: int, job: int) -> int:
+    import time
+
+    if job:
+        time.sleep(60)
+    return job
+
+
+def test_a_run_that_stops_early_stops_its_workers_at_once():
+    """An error or Ctrl-C in the caller ends the workers mid-batch instead of waiting for batches
+    nobody will read."""
+    import time
+
+    with pytest.raises(RuntimeError):
+        with DecodingPool(build_offset, (0,), sleep_unless_first, workers=2, threads=2) as pool:
+            results = pool.map(range(4))
+            assert next(results) == 0
+            processes = list(pool.executor._processes.values())
+            raise RuntimeError("the caller stops")
+    start = time.perf_counter()
+    for process in processes:
+        process.join(timeout=10)
+        assert not process.is_alive()
+    assert time.perf_counter() - start < 10
+
+
 def test_a_worker_that_dies_ends_the_run_with_one_line():
     with DecodingPool(build_offset, (0,), die, workers=2, threads=2) as pool:
         with pytest.raises(MtrainError, match=r"decode.workers=2: a decoding process ended .* fewer workers"):
