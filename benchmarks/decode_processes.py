@@ -8,8 +8,9 @@
 
     python benchmarks/decode_processes.py [--threads 2] [--sentences 1000] [--float32] [--json]
 
-Each measurement runs in a fresh process of its own and times a second pass over the batches
-(the first makes oneDNN's kernels for their shapes)."""
+Each measurement runs in fresh processes and times a second pass over the batches (the first makes
+oneDNN's kernels for their shapes); processes side by side are timed from the first one's start of
+that pass to the last one's end."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def mtrain_pass(args: argparse.Namespace, threads: int, beam: int) -> float:
-    """Seconds of the timed pass of one process decoding every batch (run in a child process)."""
+def mtrain_pass(args: argparse.Namespace, threads: int, beam: int) -> tuple[float, float]:
+    """When the timed pass of one process decoding every batch began and ended (a child process)."""
     from mtrain import mkl_dispatch
 
     mkl_dispatch.enable()  # before torch, as the CLI does
@@ -45,15 +46,15 @@ def mtrain_pass(args: argparse.Namespace, threads: int, beam: int) -> float:
     model = Transformer(bench.SHAPE).eval()
     model = bench.FixedLength(model if args.float32 else bfloat16_weights(model))
     for _ in range(2):
-        start = time.perf_counter()
+        start = time.time()
         for src, steps in batches:
             bench.run_mtrain([model], src, steps, beam)
-        seconds = time.perf_counter() - start
-    return seconds
+        end = time.time()
+    return start, end
 
 
-def hf_pass(args: argparse.Namespace, threads: int) -> float:
-    """Seconds of the timed pass of Hugging Face greedy `generate` over every batch (a child process)."""
+def hf_pass(args: argparse.Namespace, threads: int) -> tuple[float, float]:
+    """When the timed pass of Hugging Face greedy `generate` over every batch began and ended (a child)."""
     import decode as bench
     import torch
     from transformers import MarianMTModel
@@ -65,11 +66,11 @@ def hf_pass(args: argparse.Namespace, threads: int) -> float:
     torch.manual_seed(0)
     hf = MarianMTModel(bench.marian_config(bench.SHAPE.vocab_size)).eval()
     for _ in range(2):
-        start = time.perf_counter()
+        start = time.time()
         for src, steps in batches:
             bench.run_hf(hf, src, steps, 1, bench.SHAPE.vocab_size)
-        seconds = time.perf_counter() - start
-    return seconds
+        end = time.time()
+    return start, end
 
 
 def ct2_rates(args: argparse.Namespace) -> dict[str, float]:
@@ -111,6 +112,13 @@ def ct2_rates(args: argparse.Namespace) -> dict[str, float]:
     return rates
 
 
+def span(passes: list[str]) -> float:
+    """Seconds from the first timed pass's start to the last one's end ("start end" per process):
+    processes side by side count as busy from the first start to the last end."""
+    times = [tuple(map(float, line.split())) for line in passes]
+    return max(end for _, end in times) - min(start for start, _ in times)
+
+
 def child(argv: list[str]) -> list[str]:
     """The command that reruns this script as one measurement."""
     return [sys.executable, str(Path(__file__).resolve()), *argv]
@@ -126,11 +134,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ct2", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--hf", type=int, metavar="THREADS", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.one:  # a child: one process's seconds
-        print(mtrain_pass(args, *args.one))
+    if args.one:  # a child: when its timed pass began and ended
+        print(*mtrain_pass(args, *args.one))
         return {}
     if args.hf:
-        print(hf_pass(args, args.hf))
+        print(*hf_pass(args, args.hf))
         return {}
     if args.ct2:
         print(json.dumps(ct2_rates(args)))
@@ -147,13 +155,13 @@ def main(argv: list[str] | None = None) -> dict:
         systems.append(("hf_greedy", ["--hf", "{threads}"]))
     for name, extra in systems:
         command = lambda threads: [a.format(threads=threads) for a in extra]  # noqa: E731
-        result[f"{name}_1_process_{args.threads}_threads"] = round(n / float(run(command(args.threads))), 1)
-        result[f"{name}_1_process_1_thread"] = round(n / float(run(command(1))), 1)
+        result[f"{name}_1_process_{args.threads}_threads"] = round(n / span([run(command(args.threads))]), 1)
+        result[f"{name}_1_process_1_thread"] = round(n / span([run(command(1))]), 1)
         side_by_side = [subprocess.Popen(child(common + command(1)), stdout=subprocess.PIPE, text=True,
                                          stderr=subprocess.DEVNULL) for _ in range(args.threads)]
-        rates = [n / float(p.communicate()[0]) for p in side_by_side]
-        result[f"{name}_{args.threads}_processes_1_thread"] = round(sum(rates), 1)
-        result[f"{name}_processes_vs_threads"] = round(sum(rates) / result[f"{name}_1_process_{args.threads}_threads"], 3)
+        rate = n * len(side_by_side) / span([p.communicate()[0] for p in side_by_side])
+        result[f"{name}_{args.threads}_processes_1_thread"] = round(rate, 1)
+        result[f"{name}_processes_vs_threads"] = round(rate / result[f"{name}_1_process_{args.threads}_threads"], 3)
     try:
         result.update(json.loads(run(["--ct2"])))
     except subprocess.CalledProcessError as error:  # no CTranslate2 or transformers here

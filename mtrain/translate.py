@@ -178,15 +178,17 @@ def worker_search(model: Decoder | Engine, job: BatchJob) -> list[list[tuple[lis
     return search_batch(model, job, torch.device("cpu"))
 
 
-def decoding_pool(checkpoints: list[str | Path], decode: DecodeConfig, device: torch.device) -> contextlib.AbstractContextManager:
+def decoding_pool(checkpoints: str | Path | list[str | Path], decode: DecodeConfig,
+                  device: torch.device) -> contextlib.AbstractContextManager:
     """decode.workers processes that search batches (mtrain.workers), or, for 1, nullcontext(None)."""
     if decode.workers == 1:
         return contextlib.nullcontext(None)
     if device.type != "cpu":
         raise MtrainError(f"decode.workers={decode.workers}: decoding processes share a CPU; on {device} use "
                           "decode.workers=1 (one process keeps the GPU busy)")
-    return DecodingPool(worker_model, (list(checkpoints), decode), worker_search, decode.workers,
-                        torch.get_num_threads())
+    paths = [checkpoints] if isinstance(checkpoints, (str, Path)) else list(checkpoints)
+    return DecodingPool("mtrain.translate:worker_model", (paths, decode), "mtrain.translate:worker_search",
+                        decode.workers, torch.get_num_threads())
 
 
 def _search(model: Decoder | Engine, src: torch.Tensor, max_len: torch.Tensor, decode: DecodeConfig,
@@ -236,6 +238,42 @@ def translate_nbest(model: Decoder, tokenizer: Tokenizer, lines: list[str], deco
     and whitespace-only lines get `decode.nbest` translations that are just their prefix (score
     0.0) without running the model. pool: the batches are searched in its processes (decode.workers),
     each as `model` would search it here."""
+    return start_translation(model, tokenizer, lines, decode, device, stats, bar, prefixes, first_line, pool).finish()
+
+
+@dataclasses.dataclass
+class Translation:
+    """Lines whose batches are being searched (start_translation); finish() collects them."""
+
+    results: Hypotheses
+    cuts: Counter[str]
+    batches: list[list[int]]
+    searched: Iterator[list[list[tuple[list[int], float]]]]  # each batch's hypotheses, in order
+    tokenizer: Tokenizer
+    nbest: int
+    bar: Any
+    untranslated: int  # empty lines, which need no search
+
+    def finish(self) -> tuple[Hypotheses, Counter[str]]:
+        """translate_nbest's (results, cuts), once every batch is searched."""
+        for rows, hyps in zip(self.batches, self.searched):
+            texts = self.tokenizer.tgt.decode([h for nbest in hyps for h, _ in nbest])
+            for k, i in enumerate(rows):
+                chunk = texts[k * self.nbest : (k + 1) * self.nbest]
+                self.results[i] = [(LINE_BREAKS.sub(" ", text), score) for text, (_, score) in zip(chunk, hyps[k])]
+            if self.bar is not None:
+                self.bar.update(len(rows))
+        if self.bar is not None:
+            self.bar.update(self.untranslated)
+        return self.results, self.cuts
+
+
+def start_translation(model: Decoder, tokenizer: Tokenizer, lines: list[str], decode: DecodeConfig,
+                      device: torch.device | str, stats: dict[str, Any] | None = None, bar=None,
+                      prefixes: list[str] | None = None, first_line: int = 0,
+                      pool: DecodingPool | None = None) -> Translation:
+    """translate_nbest up to the search: tokenized, batched, and with a pool its batches handed to
+    the workers already (in this process they are searched when finish() asks for them)."""
     check_decode(decode)
     device = torch.device(device)
     ids, n_cut = encode_capped(tokenizer.src, lines, model.cfg.max_len)
@@ -248,17 +286,8 @@ def translate_nbest(model: Decoder, tokenizer: Tokenizer, lines: list[str], deco
     batches = [[todo[j] for j in batch] for batch in decode_batches([len(ids[i]) for i in todo], decode.max_tokens)]
     jobs = [BatchJob([ids[i] for i in rows], slope, None if forced is None else [forced[i] for i in rows],
                      [first_line + i for i in rows], decode) for rows in batches]
-    searched = pool.map(jobs) if pool is not None else (search_batch(model, job, device) for job in jobs)
-    for rows, hyps in zip(batches, searched):
-        texts = tokenizer.tgt.decode([h for nbest in hyps for h, _ in nbest])
-        for k, i in enumerate(rows):
-            chunk = texts[k * decode.nbest : (k + 1) * decode.nbest]
-            results[i] = [(LINE_BREAKS.sub(" ", text), score) for text, (_, score) in zip(chunk, hyps[k])]
-        if bar is not None:
-            bar.update(len(rows))
-    if bar is not None:
-        bar.update(len(lines) - len(todo))
-    return results, cuts
+    searched = pool.results(pool.submit(jobs)) if pool is not None else (search_batch(model, job, device) for job in jobs)
+    return Translation(results, cuts, batches, searched, tokenizer, decode.nbest, bar, len(lines) - len(todo))
 
 
 def warn_cut(cuts: Counter[str], max_len: int) -> None:
@@ -409,6 +438,14 @@ def paired_chunks(chunks: Iterator[list[str]], other: Iterator[list[str]] | None
         raise MtrainError(f"{other_name}: more lines than {input_name}; give one line per input line")
 
 
+def write_translation(sink: IO[str], translation: Translation, first: int, nbest: int) -> Counter[str]:
+    """Collect a chunk's translations (numbered from line `first`), write them, return its cuts."""
+    results, cuts = translation.finish()
+    sink.write(format_lines(results, first, nbest))
+    sink.flush()
+    return cuts
+
+
 def translate_file(checkpoints: str | Path | list[str | Path], input: str, output: str, decode: DecodeConfig,
                    device: str = "auto", prefix: str | None = None) -> None:
     """`mtrain translate`: stream `input` (a path or - for stdin) in chunks and write exactly one
@@ -424,17 +461,23 @@ def translate_file(checkpoints: str | Path | list[str | Path], input: str, outpu
         model, tokenizer, ckpt = load_for_decoding(checkpoints, resolved, decode)
         stats = ckpt.get("stats") or None
         pool = stack.enter_context(decoding_pool(checkpoints, decode, resolved))
-        # Typed lines are answered one at a time; files and pipes go in chunks with a progress bar,
-        # enough of them at once to keep every decoding process busy.
-        size = 1 if interactive else CHUNK_LINES * decode.workers
+        # Typed lines are answered one at a time; files and pipes go in chunks with a progress bar.
+        size = 1 if interactive else CHUNK_LINES
         cap = char_cap(model.cfg.max_len)
         prefixes = None if prefix is None else read_chunks(stack.enter_context(open(prefix, "rb")), prefix, size, cap)
         cuts: Counter[str] = Counter()
         done = 0
+        # With workers, the next chunk's batches go to them before this one's are collected, so that
+        # no worker waits at the end of a chunk; typed lines are answered before the next is read.
+        ahead = pool is not None and not interactive
         with atomic_output(output) as sink, tqdm(unit=" lines", file=sys.stderr, disable=interactive, leave=False) as bar:
+            waiting: list[tuple[Translation, int]] = []
             for lines, starts in paired_chunks(read_chunks(handle, name, size, cap), prefixes, str(prefix), name):
-                results, cut = translate_nbest(model, tokenizer, lines, decode, resolved, stats, bar, starts, done, pool)
-                sink.write(format_lines(results, done, decode.nbest))
-                sink.flush()
-                cuts, done = cuts + cut, done + len(lines)
+                waiting.append((start_translation(model, tokenizer, lines, decode, resolved, stats, bar, starts, done,
+                                                  pool), done))
+                done += len(lines)
+                while len(waiting) > ahead:
+                    cuts += write_translation(sink, *waiting.pop(0), decode.nbest)
+            for translation, first in waiting:
+                cuts += write_translation(sink, translation, first, decode.nbest)
         warn_cut(cuts, model.cfg.max_len)

@@ -5,9 +5,9 @@ inter_threads do; the results come back in input order.
 At decoding's batch sizes much of a step is small ops (attention over a few keys, layer norms, the
 search's bookkeeping) that PyTorch runs on one thread, or that pay more in handing work to a second
 thread than they gain from it. On a 2-core Intel Xeon with AMX, `mtrain translate` of 12000 lines
-with bfloat16 weights ran 1.12x (greedy) and 1.15x (beam 5) as fast with two 1-thread workers as in
-one 2-thread process, start-up included (about 1.3 s for the workers); in float32, whose matmuls
-gain more from a second thread, 0.97x and 1.10x (docs/benchmarks.md). A batch is decoded exactly as
+with bfloat16 weights ran 1.06-1.12x (greedy) and 1.15-1.17x (beam 5) as fast with two 1-thread
+workers as in one 2-thread process, start-up included (about 1.3 s for the workers); in float32,
+whose matmuls gain more from a second thread, 0.94-0.97x and 1.10x (docs/benchmarks.md). A batch is decoded exactly as
 in one process, so the translations are the same; each process holds its own copy of the model.
 
 This module imports no torch at the top: a worker runs mkl_dispatch.enable() (which must come
@@ -16,8 +16,11 @@ before torch is imported) before it builds its model."""
 from __future__ import annotations
 
 import concurrent.futures
+import importlib
 import multiprocessing
-from collections.abc import Callable, Iterable, Iterator
+import signal
+import sys
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from mtrain.errors import MtrainError
@@ -25,17 +28,36 @@ from mtrain.errors import MtrainError
 _worker: dict[str, Any] = {}  # in a worker process: its model and the function that runs a job
 
 
-def _start(build: Callable[..., Any], build_args: tuple, run: Callable[[Any, Any], Any], threads: int) -> None:
+def _function(name: str) -> Any:
+    """`package.module:function` -> that function, imported now."""
+    module, _, attribute = name.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def _start(build: str, build_args: tuple, run: str, threads: int) -> None:
+    """A worker's start: MKL's dispatch before torch (build and run are named, not pickled, so that
+    nothing imports torch before this runs), its threads, its model. Ctrl-C is the parent's to
+    handle: it ends the workers. A model that fails to build fails every job with its one-line
+    message, rather than the pool's traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _worker["torch_before_start"] = "torch" in sys.modules  # what mkl_dispatch needs to be False
     from mtrain import mkl_dispatch
 
     mkl_dispatch.enable()
     import torch
 
     torch.set_num_threads(threads)
-    _worker["model"], _worker["run"] = build(*build_args), run
+    _worker["run"] = _function(run)
+    try:
+        _worker["model"] = _function(build)(*build_args)
+    except Exception as error:  # noqa: BLE001 - handed to the parent by _run
+        _worker["error"] = error if isinstance(error, MtrainError) else MtrainError(
+            f"decode.workers: a decoding process could not load the model: {type(error).__name__}: {error}")
 
 
 def _run(job: Any) -> Any:
+    if "error" in _worker:
+        raise _worker["error"]
     return _worker["run"](_worker["model"], job)
 
 
@@ -51,11 +73,11 @@ def threads_per_worker(workers: int, threads: int) -> int:
 class DecodingPool:
     """`workers` processes (spawned: a fresh interpreter, not a fork of one whose OpenMP threads
     have run), each calling build(*build_args) once for its model; map(jobs) runs
-    run(model, job) for each job there and yields the results in the order of the jobs. build, run
-    and the jobs must be picklable (module-level functions, plain data)."""
+    run(model, job) for each job there and yields the results in the order of the jobs. build and
+    run name module-level functions as `package.module:function`; build_args and the jobs must be
+    picklable."""
 
-    def __init__(self, build: Callable[..., Any], build_args: tuple, run: Callable[[Any, Any], Any], workers: int,
-                 threads: int) -> None:
+    def __init__(self, build: str, build_args: tuple, run: str, workers: int, threads: int) -> None:
         context = multiprocessing.get_context("spawn")
         self.workers = workers
         self.executor = concurrent.futures.ProcessPoolExecutor(
@@ -64,12 +86,21 @@ class DecodingPool:
         for _ in range(workers):  # start them all now: they build their models while the caller reads input
             self.executor.submit(_ready)
 
-    def map(self, jobs: Iterable[Any]) -> Iterator[Any]:
+    def submit(self, jobs: Iterable[Any]) -> list[concurrent.futures.Future]:
+        """Hand the jobs to the workers now; results() collects them."""
+        return [self.executor.submit(_run, job) for job in jobs]
+
+    def results(self, futures: list[concurrent.futures.Future]) -> Iterator[Any]:
+        """The submitted jobs' results, in their order, each as soon as it and those before it are done."""
         try:
-            yield from self.executor.map(_run, jobs)
+            for future in futures:
+                yield future.result()
         except concurrent.futures.process.BrokenProcessPool as error:
             raise MtrainError(f"decode.workers={self.workers}: a decoding process ended before its batch was done "
                               f"({error}); out of memory? Run again with fewer workers") from None
+
+    def map(self, jobs: Iterable[Any]) -> Iterator[Any]:
+        return self.results(self.submit(jobs))
 
     def close(self, finished: bool = True) -> None:
         """Wait for the processes to end; when the run did not finish (an error, Ctrl-C), stop them

@@ -217,6 +217,21 @@ def test_cli_workers_translate_as_one_process_does(checkpoint, tmp_path, monkeyp
     assert len(outputs[0].decode().splitlines()) == len(lines) * (2 if "--nbest" in search else 1)
 
 
+def torch_before_worker_start() -> bool:
+    from mtrain.workers import _worker
+
+    return _worker["torch_before_start"]
+
+
+def test_translate_workers_start_before_torch(checkpoint):
+    """MKL's dispatch (mtrain.mkl_dispatch) must come before torch: nothing a translate worker
+    unpickles before its start imports torch."""
+    from mtrain.translate import decoding_pool
+
+    with decoding_pool(str(checkpoint), DecodeConfig(workers=2), torch.device("cpu")) as pool:
+        assert pool.executor.submit(torch_before_worker_start).result() is False
+
+
 def test_workers_need_a_cpu(checkpoint):
     """Decoding processes share a CPU: asked for on a GPU device, one line says to use one."""
     from mtrain.errors import MtrainError

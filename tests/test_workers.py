@@ -30,7 +30,7 @@ def die(model: int, job: int) -> int:
 
 
 def test_results_come_in_job_order_from_models_built_once_per_worker():
-    with DecodingPool(build_offset, (100,), add_offset, workers=2, threads=4) as pool:
+    with DecodingPool(f"{__name__}:build_offset", (100,), f"{__name__}:add_offset", workers=2, threads=4) as pool:
         results = list(pool.map(range(20)))
     assert [total for total, _ in results] == [100 + job for job in range(20)]
     assert {threads for _, threads in results} == {2}  # 4 threads shared by 2 workers
@@ -50,7 +50,7 @@ def test_a_run_that_stops_early_stops_its_workers_at_once():
     import time
 
     with pytest.raises(RuntimeError):
-        with DecodingPool(build_offset, (0,), sleep_unless_first, workers=2, threads=2) as pool:
+        with DecodingPool(f"{__name__}:build_offset", (0,), f"{__name__}:sleep_unless_first", workers=2, threads=2) as pool:
             results = pool.map(range(4))
             assert next(results) == 0
             processes = list(pool.executor._processes.values())
@@ -63,9 +63,37 @@ def test_a_run_that_stops_early_stops_its_workers_at_once():
 
 
 def test_a_worker_that_dies_ends_the_run_with_one_line():
-    with DecodingPool(build_offset, (0,), die, workers=2, threads=2) as pool:
+    with DecodingPool(f"{__name__}:build_offset", (0,), f"{__name__}:die", workers=2, threads=2) as pool:
         with pytest.raises(MtrainError, match=r"decode.workers=2: a decoding process ended .* fewer workers"):
             list(pool.map(range(4)))
+
+
+def fail_to_build() -> None:
+    raise FileNotFoundError("runs/x/best.pt")
+
+
+def test_a_model_that_fails_to_load_in_a_worker_fails_the_run_in_one_line(capfd):
+    with DecodingPool(f"{__name__}:fail_to_build", (), f"{__name__}:add_offset", workers=2, threads=2) as pool:
+        with pytest.raises(MtrainError, match="could not load the model: FileNotFoundError: runs/x/best.pt"):
+            list(pool.map(range(3)))
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def torch_before_start(model: None, job: int) -> bool:
+    from mtrain.workers import _worker
+
+    return _worker["torch_before_start"]
+
+
+def build_nothing() -> None:
+    return None
+
+
+def test_workers_set_up_mkl_before_torch():
+    """The MKL stub must load before torch (mtrain.mkl_dispatch): nothing a worker unpickles before
+    its start imports torch."""
+    with DecodingPool(f"{__name__}:build_nothing", (), f"{__name__}:torch_before_start", workers=1, threads=1) as pool:
+        assert list(pool.map([0])) == [False]
 
 
 @pytest.mark.parametrize("workers, threads, each", [(1, 8, 8), (2, 8, 4), (3, 8, 2), (4, 2, 1), (2, 1, 1)])
@@ -88,7 +116,7 @@ def test_the_processes_benchmark_times_threads_against_processes(multi30k_dir):
         rates = [result[f"mtrain_{search}_{form}"] for form in ("1_process_2_threads", "1_process_1_thread",
                                                                   "2_processes_1_thread")]
         assert all(rate > 0 for rate in rates)
-        assert result[f"mtrain_{search}_processes_vs_threads"] == pytest.approx(rates[2] / rates[0], abs=2e-3)
+        assert result[f"mtrain_{search}_processes_vs_threads"] == pytest.approx(rates[2] / rates[0], rel=1e-2)
 
 
 @pytest.mark.slow
