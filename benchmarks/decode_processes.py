@@ -27,8 +27,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def benchmark_batches(args: argparse.Namespace):
+    """decode.py's tokenizer and its batches of the first --sentences test2016 lines."""
+    import decode as bench
+
+    tokenizer = bench.load_tokenizer(bench.corpus_dir())
+    lines = (bench.corpus_dir() / "test2016.de").read_text(encoding="utf-8").splitlines()[: args.sentences]
+    return tokenizer, bench.batches_of(tokenizer.src.encode(lines))
+
+
+def second_pass(decode_batch, batches) -> tuple[float, float]:
+    """When the second of two passes of decode_batch(src, steps) over the batches began and ended
+    (the first makes the kernels for their shapes)."""
+    for _ in range(2):
+        start = time.time()
+        for src, steps in batches:
+            decode_batch(src, steps)
+        end = time.time()
+    return start, end
+
+
 def mtrain_pass(args: argparse.Namespace, threads: int, beam: int) -> tuple[float, float]:
-    """When the timed pass of one process decoding every batch began and ended (a child process)."""
+    """The timed pass of one process decoding every batch with mtrain (a child process)."""
     from mtrain import mkl_dispatch
 
     mkl_dispatch.enable()  # before torch, as the CLI does
@@ -39,38 +59,24 @@ def mtrain_pass(args: argparse.Namespace, threads: int, beam: int) -> tuple[floa
     from mtrain.quantize import bfloat16_weights
 
     torch.set_num_threads(threads)
-    tokenizer = bench.load_tokenizer(bench.corpus_dir())
-    lines = (bench.corpus_dir() / "test2016.de").read_text(encoding="utf-8").splitlines()[: args.sentences]
-    batches = bench.batches_of(tokenizer.src.encode(lines))
+    _, batches = benchmark_batches(args)
     torch.manual_seed(0)
     model = Transformer(bench.SHAPE).eval()
     model = bench.FixedLength(model if args.float32 else bfloat16_weights(model))
-    for _ in range(2):
-        start = time.time()
-        for src, steps in batches:
-            bench.run_mtrain([model], src, steps, beam)
-        end = time.time()
-    return start, end
+    return second_pass(lambda src, steps: bench.run_mtrain([model], src, steps, beam), batches)
 
 
 def hf_pass(args: argparse.Namespace, threads: int) -> tuple[float, float]:
-    """When the timed pass of Hugging Face greedy `generate` over every batch began and ended (a child)."""
+    """The timed pass of Hugging Face greedy `generate` over every batch (a child process)."""
     import decode as bench
     import torch
     from transformers import MarianMTModel
 
     torch.set_num_threads(threads)
-    tokenizer = bench.load_tokenizer(bench.corpus_dir())
-    lines = (bench.corpus_dir() / "test2016.de").read_text(encoding="utf-8").splitlines()[: args.sentences]
-    batches = bench.batches_of(tokenizer.src.encode(lines))
+    _, batches = benchmark_batches(args)
     torch.manual_seed(0)
     hf = MarianMTModel(bench.marian_config(bench.SHAPE.vocab_size)).eval()
-    for _ in range(2):
-        start = time.time()
-        for src, steps in batches:
-            bench.run_hf(hf, src, steps, 1, bench.SHAPE.vocab_size)
-        end = time.time()
-    return start, end
+    return second_pass(lambda src, steps: bench.run_hf(hf, src, steps, 1, bench.SHAPE.vocab_size), batches)
 
 
 def ct2_rates(args: argparse.Namespace) -> dict[str, float]:
@@ -82,9 +88,7 @@ def ct2_rates(args: argparse.Namespace) -> dict[str, float]:
     import ctranslate2
     from mtrain.export.runtime import pieces
 
-    tokenizer = bench.load_tokenizer(bench.corpus_dir())
-    lines = (bench.corpus_dir() / "test2016.de").read_text(encoding="utf-8").splitlines()[: args.sentences]
-    batches = bench.batches_of(tokenizer.src.encode(lines))
+    tokenizer, batches = benchmark_batches(args)
     names = pieces(tokenizer.src.model)
     torch.manual_seed(0)
     hf = MarianMTModel(bench.marian_config(bench.SHAPE.vocab_size)).eval()
@@ -107,7 +111,7 @@ def ct2_rates(args: argparse.Namespace) -> dict[str, float]:
                             result.result()
                     seconds = time.perf_counter() - start
                 rates[f"ct2_int8_{'greedy' if beam == 1 else 'beam5'}_intra{intra}_inter{inter}"] = round(
-                    len(lines) / seconds, 1)
+                    sum(src.size(0) for src, _ in batches) / seconds, 1)
                 del translator
     return rates
 

@@ -102,11 +102,16 @@ class Engine(Protocol):
                prefixes: list[list[int]] | None) -> list[list[tuple[list[int], float]]]: ...
 
 
+def checkpoint_paths(paths: str | Path | list[str | Path]) -> list[str | Path]:
+    """One checkpoint path or several, as a list."""
+    return [paths] if isinstance(paths, (str, Path)) else list(paths)
+
+
 def load_for_decoding(paths: str | Path | list[str | Path], device: torch.device, decode: DecodeConfig | None = None):
     """(model, tokenizer, checkpoint dict) for checkpoints (several: an ensemble), or for one folder
     written by `mtrain export --format ctranslate2`. With decode.quantize=int8 the checkpoints'
     linear layers are made int8 (mtrain.quantize)."""
-    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    paths = checkpoint_paths(paths)
     decode = decode or DecodeConfig()
     check_quantize(decode.quantize, decode.amp, device)
     if any(Path(p).is_dir() for p in paths):
@@ -186,8 +191,8 @@ def decoding_pool(checkpoints: str | Path | list[str | Path], decode: DecodeConf
     if device.type != "cpu":
         raise MtrainError(f"decode.workers={decode.workers}: decoding processes share a CPU; on {device} use "
                           "decode.workers=1 (one process keeps the GPU busy)")
-    paths = [checkpoints] if isinstance(checkpoints, (str, Path)) else list(checkpoints)
-    return DecodingPool("mtrain.translate:worker_model", (paths, decode), "mtrain.translate:worker_search",
+    return DecodingPool("mtrain.translate:worker_model", (checkpoint_paths(checkpoints), decode),
+                        "mtrain.translate:worker_search",
                         decode.workers, torch.get_num_threads())
 
 
