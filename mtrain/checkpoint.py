@@ -49,8 +49,10 @@ def save_atomic(obj: dict[str, Any], path: str | Path) -> None:
         raise OSError(cause.errno, cause.strerror or str(cause), cause.filename or str(path)) from err
 
 
-def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Read a checkpoint with weights_only=True; any problem becomes a one-line MtrainError."""
+def load(path: str | Path, map_location: str | torch.device = "cpu", mmap: bool = False) -> dict[str, Any]:
+    """Read a checkpoint with weights_only=True; any problem becomes a one-line MtrainError. mmap:
+    the tensors are mapped from the file, read only when used (a caller that needs the config and
+    tokenizer alone reads no weights)."""
     path = Path(path)
     if path.is_dir():
         raise MtrainError(f"{path}: a folder, not a checkpoint file; pass a file written by `mtrain train` (e.g. RUN/best.pt) "
@@ -61,7 +63,7 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str
     try:
         with warnings.catch_warnings():  # a hostile file's pickle-protocol warning is not the user's business
             warnings.simplefilter("ignore")
-            obj = torch.load(path, map_location=map_location, weights_only=True)
+            obj = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as err:  # truncated zip, garbage bytes, or a pickle that asks for code
         # The first sentence only: torch's zip errors go on for lines.
         reason = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else ""
@@ -161,9 +163,11 @@ def average_checkpoints(paths: Iterable[str | Path], out: str | Path) -> dict[st
     return result
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Transformer, Tokenizer, dict[str, Any]]:
-    """Rebuild the model and tokenizer from a checkpoint alone: (model in eval mode, tokenizer, ckpt)."""
-    ckpt = load(path)
+def load_model(path: str | Path, device: str | torch.device = "cpu",
+               ckpt: dict[str, Any] | None = None) -> tuple[Transformer, Tokenizer, dict[str, Any]]:
+    """Rebuild the model and tokenizer from a checkpoint alone: (model in eval mode, tokenizer, ckpt).
+    ckpt: the file's contents, when the caller has read them already."""
+    ckpt = load(path) if ckpt is None else ckpt
     config = config_from_dict(ckpt["config"], where=str(path))
     model = Transformer(config.model)
     try:
@@ -172,27 +176,29 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Tr
         first = str(err).strip().splitlines()
         raise MtrainError(f"{path}: weights do not fit its model config ({first[1].strip() if len(first) > 1 else first[0]}); the file is inconsistent") from None
     model.to(device).eval()
+    return model, checkpoint_tokenizer(path, ckpt), ckpt
+
+
+def checkpoint_tokenizer(path: str | Path, ckpt: dict[str, Any]) -> Tokenizer:
+    """The SentencePiece models a checkpoint carries, loaded."""
     try:
-        tokenizer = Tokenizer.from_state(ckpt["tokenizer"])
+        return Tokenizer.from_state(ckpt["tokenizer"])
     except (MtrainError, RuntimeError, TypeError, KeyError) as err:  # damaged SentencePiece bytes
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise MtrainError(f"{path}: its tokenizer cannot be loaded ({first[:200]}); the file is damaged, "
                           "use another checkpoint of the run") from None
-    return model, tokenizer, ckpt
 
 
-def load_models(paths: str | Path | list[str | Path], device: str | torch.device = "cpu"):
-    """(model, tokenizer, first checkpoint) for one checkpoint, or an Ensemble of several that were
-    trained on the same tokenized data (same SentencePiece model, same languages)."""
+def read_ensemble(paths: str | Path | list[str | Path], mmap: bool = False) -> list[dict[str, Any]]:
+    """The contents of one checkpoint, or of several that can decode as one ensemble: trained on
+    the same tokenized data (same SentencePiece model, same languages). mmap: as load's."""
     if isinstance(paths, (str, Path)):
         paths = [paths]
     if not paths:
         raise MtrainError("no checkpoint given; pass --checkpoint FILE (repeat it for an ensemble)")
-    loaded = [load_model(path, device) for path in paths]
-    if len(loaded) == 1:
-        return loaded[0]
-    first_path, (_, tokenizer, first) = paths[0], loaded[0]
-    for path, (_, _, ckpt) in zip(paths[1:], loaded[1:]):
+    ckpts = [load(path, mmap=mmap) for path in paths]
+    first_path, first = paths[0], ckpts[0]
+    for path, ckpt in zip(paths[1:], ckpts[1:]):
         if ckpt["tokenizer"] != first["tokenizer"]:
             raise MtrainError(f"{path}: its vocabulary differs from {first_path}'s; an ensemble needs checkpoints "
                               "trained on the same `mtrain tokenize` output")
@@ -200,6 +206,17 @@ def load_models(paths: str | Path | list[str | Path], device: str | torch.device
         if pair != first_pair:
             raise MtrainError(f"{path}: translates {pair[0]}->{pair[1]}, but {first_path} translates "
                               f"{first_pair[0]}->{first_pair[1]}; ensemble checkpoints of one direction")
+    return ckpts
+
+
+def load_models(paths: str | Path | list[str | Path], device: str | torch.device = "cpu"):
+    """(model, tokenizer, first checkpoint) for one checkpoint, or an Ensemble of several
+    (read_ensemble)."""
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    loaded = [load_model(path, device, ckpt) for path, ckpt in zip(paths, read_ensemble(paths))]
+    if len(loaded) == 1:
+        return loaded[0]
+    _, tokenizer, first = loaded[0]
     return Ensemble([model for model, _, _ in loaded]), tokenizer, first
 
 

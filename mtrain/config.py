@@ -160,8 +160,8 @@ class DecodeConfig:
     # Processes that decode batches side by side on a CPU, the threads shared among them
     # (mtrain.workers), with the same translations: on 2 cores, bfloat16 decoding of 12000 lines
     # ran 1.06-1.12x (greedy) and 1.15-1.17x (beam 5) as fast with 2 (docs/benchmarks.md). Each
-    # holds a copy of the model (as the calling process does) and takes about a second to start;
-    # 1 decodes in the calling process.
+    # holds a copy of the model (the calling process keeps only the tokenizer and config) and
+    # takes about a second to start; 1 decodes in the calling process.
     workers: int = 1
 
 

@@ -20,8 +20,8 @@ from torch import nn
 from tqdm import tqdm
 
 from mtrain.atomic import atomic_write
-from mtrain.checkpoint import load_models
-from mtrain.config import DecodeConfig
+from mtrain.checkpoint import checkpoint_tokenizer, load_models, read_ensemble
+from mtrain.config import DecodeConfig, config_from_dict
 from mtrain.data import make_batches
 from mtrain.errors import MtrainError
 from mtrain.hardware import decode_autocast, resolve_amp, resolve_device
@@ -113,14 +113,7 @@ def load_for_decoding(paths: str | Path | list[str | Path], device: torch.device
     linear layers are made int8 (mtrain.quantize)."""
     paths = checkpoint_paths(paths)
     decode = decode or DecodeConfig()
-    check_quantize(decode.quantize, decode.amp, device)
-    if any(Path(p).is_dir() for p in paths):
-        if len(paths) > 1:
-            raise MtrainError(f"{next(p for p in paths if Path(p).is_dir())}: an exported folder decodes alone; "
-                              "an ensemble needs mtrain checkpoint files")
-        if decode.quantize != "off":
-            raise MtrainError(f"{paths[0]}: an exported folder keeps the quantization it was exported with; "
-                              "drop decode.quantize (or re-export with --quantization)")
+    if _exported(paths, decode, device):
         from mtrain.export.runtime import SATURATION_NOTE, CTranslate2Model, int8_saturates, is_int8
 
         engine = CTranslate2Model(paths[0], device)
@@ -129,6 +122,49 @@ def load_for_decoding(paths: str | Path | list[str | Path], device: torch.device
         return engine, engine.tokenizer, {"stats": engine.meta.get("stats") or {}}
     model, tokenizer, ckpt = load_models(paths, device)
     return decoding_model(model, decode, device), tokenizer, ckpt
+
+
+def _exported(paths: list[str | Path], decode: DecodeConfig, device: torch.device) -> bool:
+    """Whether paths name an exported folder (checked: alone, without decode.quantize), rather than
+    checkpoint files; decode.quantize and decode.amp checked against the device."""
+    check_quantize(decode.quantize, decode.amp, device)
+    if not any(Path(p).is_dir() for p in paths):
+        return False
+    if len(paths) > 1:
+        raise MtrainError(f"{next(p for p in paths if Path(p).is_dir())}: an exported folder decodes alone; "
+                          "an ensemble needs mtrain checkpoint files")
+    if decode.quantize != "off":
+        raise MtrainError(f"{paths[0]}: an exported folder keeps the quantization it was exported with; "
+                          "drop decode.quantize (or re-export with --quantization)")
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Outline:
+    """What the calling process of decoding workers keeps of a model: `cfg.max_len`, the input cut,
+    read as from a model. The weights are the workers' alone."""
+
+    cfg: Any
+
+
+def load_outline(paths: str | Path | list[str | Path], device: torch.device, decode: DecodeConfig | None = None):
+    """load_for_decoding's (model, tokenizer, checkpoint dict) for the calling process of decoding
+    workers, with an Outline for the model: the files are read and checked as there (an ensemble's
+    members against each other), but the weights are left in the files (memory-mapped, never read),
+    no model is built, and a CTranslate2 folder is not loaded. With 2 workers the machine then holds
+    two copies of the model, not three, and the workers' start does not wait for a third load."""
+    from mtrain.export.runtime import Shape, read_meta, read_tokenizer
+
+    paths = checkpoint_paths(paths)
+    decode = decode or DecodeConfig()
+    if _exported(paths, decode, device):
+        folder = Path(paths[0])
+        meta = read_meta(folder)
+        return Outline(Shape(max_len=int(meta["max_len"]))), read_tokenizer(folder, meta), {"stats": meta.get("stats") or {}}
+    first = read_ensemble(paths, mmap=True)[0]
+    config = config_from_dict(first["config"], where=str(paths[0]))
+    ckpt = {key: value for key, value in first.items() if key != "model"}
+    return Outline(Shape(max_len=config.model.max_len)), checkpoint_tokenizer(paths[0], first), ckpt
 
 
 def decoding_model(model: nn.Module, decode: DecodeConfig, device: torch.device,
@@ -194,6 +230,17 @@ def decoding_pool(checkpoints: str | Path | list[str | Path], decode: DecodeConf
     return DecodingPool("mtrain.translate:worker_model", (checkpoint_paths(checkpoints), decode),
                         "mtrain.translate:worker_search",
                         decode.workers, torch.get_num_threads())
+
+
+def open_decoding(checkpoints: str | Path | list[str | Path], decode: DecodeConfig, device: torch.device,
+                  stack: contextlib.ExitStack) -> tuple[Decoder | Engine | Outline, Tokenizer, dict[str, Any], DecodingPool | None]:
+    """(model, tokenizer, checkpoint dict, pool) to translate with: in one process the model
+    (load_for_decoding) and no pool; with decode.workers > 1 an Outline (load_outline) and the
+    workers' pool, closed with `stack`."""
+    if decode.workers == 1:
+        return (*load_for_decoding(checkpoints, device, decode), None)
+    model, tokenizer, ckpt = load_outline(checkpoints, device, decode)
+    return model, tokenizer, ckpt, stack.enter_context(decoding_pool(checkpoints, decode, device))
 
 
 def _search(model: Decoder | Engine, src: torch.Tensor, max_len: torch.Tensor, decode: DecodeConfig,
@@ -321,8 +368,8 @@ def translate_checkpoints(checkpoints: str | Path | list[str | Path], lines: lis
     """The best translation of each line by a checkpoint (several: an ensemble), with a progress bar."""
     check_decode(decode)
     resolved = resolve_device(device)
-    model, tokenizer, ckpt = load_for_decoding(checkpoints, resolved, decode)
-    with decoding_pool(checkpoints, decode, resolved) as pool:
+    with contextlib.ExitStack() as stack:
+        model, tokenizer, ckpt, pool = open_decoding(checkpoints, decode, resolved, stack)
         return translate_lines(model, tokenizer, lines, decode, resolved, stats=ckpt.get("stats") or None,
                                progress=True, pool=pool)
 
@@ -463,9 +510,8 @@ def translate_file(checkpoints: str | Path | list[str | Path], input: str, outpu
         check_parallel("prefix", prefix, input)
     resolved = resolve_device(device)
     with open_input(input) as (handle, name, interactive), contextlib.ExitStack() as stack:
-        model, tokenizer, ckpt = load_for_decoding(checkpoints, resolved, decode)
+        model, tokenizer, ckpt, pool = open_decoding(checkpoints, decode, resolved, stack)
         stats = ckpt.get("stats") or None
-        pool = stack.enter_context(decoding_pool(checkpoints, decode, resolved))
         # Typed lines are answered one at a time; files and pipes go in chunks with a progress bar.
         size = 1 if interactive else CHUNK_LINES
         cap = char_cap(model.cfg.max_len)

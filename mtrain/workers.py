@@ -9,7 +9,8 @@ with bfloat16 weights ran 1.06-1.12x (greedy) and 1.15-1.17x (beam 5) as fast wi
 workers as in one 2-thread process, start-up included (about 1.3 s for the workers); in float32,
 whose matmuls gain more from a second thread, 0.94-0.97x and 1.10x (docs/benchmarks.md). A batch
 is decoded exactly as in one process, so the translations are the same; each process holds its own
-copy of the model, as the calling process (which reads, tokenizes and writes) does.
+copy of the model, and the calling process (which reads, tokenizes and writes) none
+(translate.load_outline).
 
 This module imports no torch at the top: a worker runs mkl_dispatch.enable() (which must come
 before torch is imported) before it builds its model."""

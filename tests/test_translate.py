@@ -200,6 +200,7 @@ def test_cli_bad_arguments_fail_in_one_line(checkpoint, args, needle):
 def test_cli_workers_translate_as_one_process_does(checkpoint, tmp_path, monkeypatch, search):
     """--workers 2 decodes the batches in two processes (mtrain.workers): the output is the one
     process's, byte for byte, over several chunks of many small batches, with empty lines kept."""
+    import mtrain.checkpoint as checkpoint_module
     import mtrain.translate as translate_module
 
     monkeypatch.setattr(translate_module, "CHUNK_LINES", 4)  # the reading side, in this process
@@ -208,6 +209,8 @@ def test_cli_workers_translate_as_one_process_does(checkpoint, tmp_path, monkeyp
     src.write_text("\n".join(lines) + "\n", encoding="utf-8")
     outputs = []
     for workers in (1, 2):
+        if workers == 2:  # the calling process builds no model of its own; the spawned workers do
+            monkeypatch.setattr(checkpoint_module, "Transformer", no_model_here)
         out = tmp_path / f"out{workers}.en"
         result = run("--checkpoint", checkpoint, "-i", src, "-o", out, "--max-tokens", "24", "--device", "cpu",
                      "--workers", workers, *search)
@@ -215,6 +218,52 @@ def test_cli_workers_translate_as_one_process_does(checkpoint, tmp_path, monkeyp
         outputs.append(out.read_bytes())
     assert outputs[0] == outputs[1]
     assert len(outputs[0].decode().splitlines()) == len(lines) * (2 if "--nbest" in search else 1)
+
+
+def no_model_here(*args, **kwargs):
+    raise AssertionError("a model was built in the calling process of decoding workers")
+
+
+def test_outline_reads_the_checkpoint_without_its_weights(checkpoint, monkeypatch):
+    """load_outline gives the calling process of decoding workers the tokenizer, the stats and the
+    max_len that cuts the input, as load_for_decoding does, with no model built and no weights kept."""
+    import mtrain.checkpoint as checkpoint_module
+    from mtrain.translate import load_for_decoding, load_outline
+
+    model, tokenizer, ckpt = load_for_decoding(checkpoint, torch.device("cpu"))
+    monkeypatch.setattr(checkpoint_module, "Transformer", no_model_here)
+    outline, outline_tokenizer, outline_ckpt = load_outline([checkpoint], torch.device("cpu"))
+    assert outline.cfg.max_len == model.cfg.max_len == 48
+    assert outline_tokenizer.src.model == tokenizer.src.model and outline_tokenizer.tgt.model == tokenizer.tgt.model
+    assert "model" not in outline_ckpt and outline_ckpt["stats"] == ckpt["stats"]
+
+
+def test_outline_checks_an_ensemble_as_loading_does(checkpoint, tmp_path):
+    """Members trained on other data fail in the calling process, before any worker starts."""
+    from mtrain.checkpoint import load
+    from mtrain.errors import MtrainError
+    from mtrain.translate import load_outline
+
+    state = dict(load(checkpoint)["tokenizer"], src_model=b"other")
+    other = resave(checkpoint, tmp_path / "other.pt", tokenizer=state)
+    with pytest.raises(MtrainError, match="its vocabulary differs"):
+        load_outline([checkpoint, other], torch.device("cpu"))
+
+
+def test_outline_of_an_exported_folder_loads_no_translator(checkpoint, tmp_path, monkeypatch):
+    """For a CTranslate2 folder the calling process reads export.json and the SentencePiece model only."""
+    import json
+
+    import mtrain.export.runtime as runtime
+    from mtrain.checkpoint import load
+    from mtrain.translate import load_outline
+
+    monkeypatch.setattr(runtime, "CTranslate2Model", no_model_here)
+    state = load(checkpoint)["tokenizer"]
+    (tmp_path / "spm.model").write_bytes(state["src_model"])
+    (tmp_path / "export.json").write_text(json.dumps({"format": "ctranslate2", "max_len": 33, "stats": {"a": 1}}))
+    outline, tokenizer, ckpt = load_outline(tmp_path, torch.device("cpu"))
+    assert outline.cfg.max_len == 33 and tokenizer.src.model == state["src_model"] and ckpt == {"stats": {"a": 1}}
 
 
 def torch_before_worker_start() -> bool:
