@@ -9,8 +9,9 @@
     python benchmarks/decode_processes.py [--threads 2] [--sentences 1000] [--float32] [--json]
 
 Each measurement runs in fresh processes and times a second pass over the batches (the first makes
-oneDNN's kernels for their shapes); processes side by side are timed from the first one's start of
-that pass to the last one's end."""
+oneDNN's kernels for their shapes). Processes side by side start that pass together (each says it
+is ready and waits for the word to go), as the workers of a long `mtrain translate` run are all
+busy at once, and are timed from the first one's start of it to the last one's end."""
 
 from __future__ import annotations
 
@@ -38,8 +39,12 @@ def benchmark_batches(args: argparse.Namespace):
 
 def second_pass(decode_batch, batches) -> tuple[float, float]:
     """When the second of two passes of decode_batch(src, steps) over the batches began and ended
-    (the first makes the kernels for their shapes)."""
-    for _ in range(2):
+    (the first makes the kernels for their shapes). Between the two passes the process prints
+    "ready" and waits for a line on stdin (measure)."""
+    for first in (True, False):
+        if not first:
+            print("ready", flush=True)
+            sys.stdin.readline()
         start = time.time()
         for src, steps in batches:
             decode_batch(src, steps)
@@ -128,6 +133,20 @@ def child(argv: list[str]) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), *argv]
 
 
+def measure(argv: list[str], processes: int) -> float:
+    """Seconds that `processes` children running this script with argv take for their timed passes,
+    started together: each is told to go once all have finished their first pass."""
+    children = [subprocess.Popen(child(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                 stderr=subprocess.DEVNULL) for _ in range(processes)]
+    for process in children:
+        if process.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"{' '.join(argv)}: a measuring process ended before its first pass was done")
+    for process in children:
+        process.stdin.write("go\n")
+        process.stdin.flush()
+    return span([process.communicate()[0] for process in children])
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -148,7 +167,6 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(ct2_rates(args)))
         return {}
     common = ["--sentences", str(args.sentences), "--threads", str(args.threads)] + (["--float32"] if args.float32 else [])
-    run = lambda extra: subprocess.run(child(common + extra), check=True, capture_output=True, text=True).stdout  # noqa: E731
     from mtrain.hardware import machine_record
 
     result = {"precision": "float32" if args.float32 else "bfloat16 weights", "threads": args.threads,
@@ -159,15 +177,14 @@ def main(argv: list[str] | None = None) -> dict:
         systems.append(("hf_greedy", ["--hf", "{threads}"]))
     for name, extra in systems:
         command = lambda threads: [a.format(threads=threads) for a in extra]  # noqa: E731
-        result[f"{name}_1_process_{args.threads}_threads"] = round(n / span([run(command(args.threads))]), 1)
-        result[f"{name}_1_process_1_thread"] = round(n / span([run(command(1))]), 1)
-        side_by_side = [subprocess.Popen(child(common + command(1)), stdout=subprocess.PIPE, text=True,
-                                         stderr=subprocess.DEVNULL) for _ in range(args.threads)]
-        rate = n * len(side_by_side) / span([p.communicate()[0] for p in side_by_side])
+        result[f"{name}_1_process_{args.threads}_threads"] = round(n / measure(common + command(args.threads), 1), 1)
+        result[f"{name}_1_process_1_thread"] = round(n / measure(common + command(1), 1), 1)
+        rate = n * args.threads / measure(common + command(1), args.threads)
         result[f"{name}_{args.threads}_processes_1_thread"] = round(rate, 1)
         result[f"{name}_processes_vs_threads"] = round(rate / result[f"{name}_1_process_{args.threads}_threads"], 3)
     try:
-        result.update(json.loads(run(["--ct2"])))
+        ct2 = subprocess.run(child(common + ["--ct2"]), check=True, capture_output=True, text=True)
+        result.update(json.loads(ct2.stdout))
     except subprocess.CalledProcessError as error:  # no CTranslate2 or transformers here
         print(f"CTranslate2 skipped: {error.stderr.strip().splitlines()[-1]}", file=sys.stderr)
     for key, value in result.items():
