@@ -320,12 +320,13 @@ class Translation:
         return self.results, self.cuts
 
 
-def start_translation(model: Decoder, tokenizer: Tokenizer, lines: list[str], decode: DecodeConfig,
+def start_translation(model: Decoder | Engine | Outline, tokenizer: Tokenizer, lines: list[str], decode: DecodeConfig,
                       device: torch.device | str, stats: dict[str, Any] | None = None, bar=None,
                       prefixes: list[str] | None = None, first_line: int = 0,
                       pool: DecodingPool | None = None) -> Translation:
     """translate_nbest up to the search: tokenized, batched, and with a pool its batches handed to
-    the workers already (in this process they are searched when finish() asks for them)."""
+    the workers already (in this process they are searched when finish() asks for them). With a
+    pool, `model` is read for its cfg.max_len only, so an Outline will do."""
     check_decode(decode)
     device = torch.device(device)
     ids, n_cut = encode_capped(tokenizer.src, lines, model.cfg.max_len)
