@@ -153,17 +153,17 @@ def load_outline(paths: str | Path | list[str | Path], device: torch.device, dec
     members against each other), but the weights are left in the files (memory-mapped, never read),
     no model is built, and a CTranslate2 folder is not loaded. With 2 workers the machine then holds
     two copies of the model, not three, and the workers' start does not wait for a third load."""
-    from mtrain.export.runtime import Shape, read_meta, read_tokenizer
+    from mtrain.export.runtime import Shape, ctranslate2_meta, read_tokenizer
 
     paths = checkpoint_paths(paths)
     decode = decode or DecodeConfig()
     if _exported(paths, decode, device):
         folder = Path(paths[0])
-        meta = read_meta(folder)
-        return Outline(Shape(max_len=int(meta["max_len"]))), read_tokenizer(folder, meta), {"stats": meta.get("stats") or {}}
+        meta = ctranslate2_meta(folder)
+        return Outline(Shape(max_len=meta["max_len"])), read_tokenizer(folder, meta), {"stats": meta.get("stats") or {}}
     first = read_ensemble(paths, mmap=True)[0]
     config = config_from_dict(first["config"], where=str(paths[0]))
-    ckpt = {key: value for key, value in first.items() if key != "model"}
+    ckpt = {key: value for key, value in first.items() if key not in ("model", "train_state")}  # no tensors kept
     return Outline(Shape(max_len=config.model.max_len)), checkpoint_tokenizer(paths[0], first), ckpt
 
 

@@ -256,14 +256,20 @@ def test_outline_of_an_exported_folder_loads_no_translator(checkpoint, tmp_path,
 
     import mtrain.export.runtime as runtime
     from mtrain.checkpoint import load
+    from mtrain.errors import MtrainError
     from mtrain.translate import load_outline
 
     monkeypatch.setattr(runtime, "CTranslate2Model", no_model_here)
     state = load(checkpoint)["tokenizer"]
     (tmp_path / "spm.model").write_bytes(state["src_model"])
-    (tmp_path / "export.json").write_text(json.dumps({"format": "ctranslate2", "max_len": 33, "stats": {"a": 1}}))
+    meta = {"format": "ctranslate2", "max_len": 33, "max_positions": 1024, "stats": {"a": 1}}
+    (tmp_path / "export.json").write_text(json.dumps(meta))
     outline, tokenizer, ckpt = load_outline(tmp_path, torch.device("cpu"))
     assert outline.cfg.max_len == 33 and tokenizer.src.model == state["src_model"] and ckpt == {"stats": {"a": 1}}
+    for broken, needle in (({"format": "huggingface"}, "a huggingface export"), ({"max_len": "33"}, "'max_len'")):
+        (tmp_path / "export.json").write_text(json.dumps(dict(meta, **broken)))
+        with pytest.raises(MtrainError, match=needle):
+            load_outline(tmp_path, torch.device("cpu"))
 
 
 def torch_before_worker_start() -> bool:

@@ -77,6 +77,18 @@ def read_tokenizer(folder: Path, meta: dict[str, Any]) -> Tokenizer:
     return Tokenizer(*(path.read_bytes() for path in paths))
 
 
+def ctranslate2_meta(folder: Path) -> dict[str, Any]:
+    """export.json of a folder `mtrain translate` can run: a CTranslate2 export with its lengths."""
+    meta = read_meta(folder)
+    if meta["format"] != "ctranslate2":
+        raise MtrainError(f"{folder}: a {meta['format']} export; `mtrain translate` runs CTranslate2 "
+                          "exports (load a huggingface export with transformers)")
+    for key in ("max_len", "max_positions"):
+        if not isinstance(meta.get(key), int):
+            raise MtrainError(f"{folder / META}: no integer '{key}' entry; re-run `mtrain export`")
+    return meta
+
+
 @dataclass(frozen=True)
 class Shape:
     """What translate reads of a model's config: its max_len (the input cut rule)."""
@@ -89,10 +101,7 @@ class CTranslate2Model:
 
     def __init__(self, folder: str | Path, device: torch.device) -> None:
         folder = Path(folder)
-        self.meta = read_meta(folder)
-        if self.meta["format"] != "ctranslate2":
-            raise MtrainError(f"{folder}: a {self.meta['format']} export; `mtrain translate` runs CTranslate2 "
-                              "exports (load a huggingface export with transformers)")
+        self.meta = ctranslate2_meta(folder)
         try:
             import ctranslate2
         except ImportError:
