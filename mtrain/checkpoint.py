@@ -189,11 +189,14 @@ def checkpoint_tokenizer(path: str | Path, ckpt: dict[str, Any]) -> Tokenizer:
                           "use another checkpoint of the run") from None
 
 
-def read_ensemble(paths: str | Path | list[str | Path], mmap: bool = False) -> list[dict[str, Any]]:
+def checkpoint_paths(paths: str | Path | list[str | Path]) -> list[str | Path]:
+    """One checkpoint path or several, as a list."""
+    return [paths] if isinstance(paths, (str, Path)) else list(paths)
+
+
+def read_ensemble(paths: list[str | Path], mmap: bool = False) -> list[dict[str, Any]]:
     """The contents of one checkpoint, or of several that can decode as one ensemble: trained on
     the same tokenized data (same SentencePiece model, same languages). mmap: as load's."""
-    if isinstance(paths, (str, Path)):
-        paths = [paths]
     if not paths:
         raise MtrainError("no checkpoint given; pass --checkpoint FILE (repeat it for an ensemble)")
     ckpts = [load(path, mmap=mmap) for path in paths]
@@ -212,7 +215,7 @@ def read_ensemble(paths: str | Path | list[str | Path], mmap: bool = False) -> l
 def load_models(paths: str | Path | list[str | Path], device: str | torch.device = "cpu"):
     """(model, tokenizer, first checkpoint) for one checkpoint, or an Ensemble of several
     (read_ensemble)."""
-    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    paths = checkpoint_paths(paths)
     loaded = [load_model(path, device, ckpt) for path, ckpt in zip(paths, read_ensemble(paths))]
     if len(loaded) == 1:
         return loaded[0]

@@ -20,7 +20,7 @@ from torch import nn
 from tqdm import tqdm
 
 from mtrain.atomic import atomic_write
-from mtrain.checkpoint import checkpoint_tokenizer, load_models, read_ensemble
+from mtrain.checkpoint import checkpoint_paths, checkpoint_tokenizer, load_models, read_ensemble
 from mtrain.config import DecodeConfig, config_from_dict
 from mtrain.data import make_batches
 from mtrain.errors import MtrainError
@@ -100,11 +100,6 @@ class Engine(Protocol):
 
     def search(self, src: torch.Tensor, max_len: torch.Tensor, decode: DecodeConfig,
                prefixes: list[list[int]] | None) -> list[list[tuple[list[int], float]]]: ...
-
-
-def checkpoint_paths(paths: str | Path | list[str | Path]) -> list[str | Path]:
-    """One checkpoint path or several, as a list."""
-    return [paths] if isinstance(paths, (str, Path)) else list(paths)
 
 
 def load_for_decoding(paths: str | Path | list[str | Path], device: torch.device, decode: DecodeConfig | None = None):

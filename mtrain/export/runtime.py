@@ -108,8 +108,8 @@ class CTranslate2Model:
             raise MtrainError(f"{folder}: translating a CTranslate2 export needs ctranslate2; "
                               "pip install 'mtrain[export]'") from None
         self.tokenizer = read_tokenizer(folder, self.meta)
-        self.cfg = Shape(max_len=int(self.meta["max_len"]))
-        self.max_positions = int(self.meta["max_positions"])
+        self.cfg = Shape(max_len=self.meta["max_len"])  # both integers (ctranslate2_meta)
+        self.max_positions = self.meta["max_positions"]
         device_index = device.index or 0
         self.translator = ctranslate2.Translator(str(folder), device=device.type, device_index=device_index,
                                                  intra_threads=torch.get_num_threads() if device.type == "cpu" else 0)
