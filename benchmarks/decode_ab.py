@@ -7,6 +7,9 @@ float32 model):
   shows the harness's own spread.
 - `--compare normaliser`: beam search's log sum exp of each row's logits without the row maxima
   subtracted where that is safe (mtrain.kernels.logsumexp_near_) against always subtracted.
+- `--compare cpu_kernels`: mtrain.cpu_kernels' C kernels (attention over a bfloat16 cache with
+  transposed keys; beam search's top-k and log-sum-exp over the bfloat16 logits) against decoding
+  without them (float32 cache, PyTorch's attention, upcast logits).
 
     python benchmarks/decode_ab.py --threads 2                 # greedy, attention
     python benchmarks/decode_ab.py --beam 5 --threads 2 --json
@@ -37,8 +40,10 @@ if __name__ == "__main__":  # before torch runs anything, as the CLI does
 
 import torch  # noqa: E402
 
+import mtrain.cache as cache_module  # noqa: E402
 import mtrain.model as model_module  # noqa: E402
 import mtrain.search as search_module  # noqa: E402
+from mtrain import cpu_kernels  # noqa: E402
 from mtrain.hardware import cpu_has_native_bf16, machine_record  # noqa: E402
 from mtrain.kernels import logsumexp_, logsumexp_near_, softmax_rows  # noqa: E402
 from mtrain.model import Transformer  # noqa: E402
@@ -50,6 +55,19 @@ def setter(module, name: str, value):
     return lambda: setattr(module, name, value)
 
 
+class _Off:
+    """mtrain.cpu_kernels as the modules see it where nothing was built."""
+
+    library = staticmethod(lambda: None)
+    wanted = staticmethod(lambda x: False)
+    attend = staticmethod(lambda *args: None)
+    topk_logsumexp = staticmethod(lambda *args: None)
+
+
+def _kernels(module):
+    return lambda: (setattr(cache_module, "cpu_kernels", module), setattr(search_module, "cpu_kernels", module))
+
+
 # Each comparison: {baseline, candidate}, in that order; each variant sets what it changes.
 COMPARISONS = {
     "attention": {"kernel": setter(model_module, "CACHE_ATTENTION_BY_MATMULS", ()),
@@ -58,6 +76,7 @@ COMPARISONS = {
                 "padded": setter(model_module, "softmax_rows", softmax_rows)},
     "folded": {"kernel": setter(model_module, "CACHE_ATTENTION_QUERIES", 1),
                "matmuls": setter(model_module, "CACHE_ATTENTION_QUERIES", 64)},
+    "cpu_kernels": {"torch": _kernels(_Off), "c": _kernels(cpu_kernels)},
     "normaliser": {"shifted": setter(search_module, "NORMALISER", logsumexp_),
                    "unshifted": setter(search_module, "NORMALISER", logsumexp_near_)},
 }

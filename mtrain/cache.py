@@ -8,7 +8,11 @@ moves self-attention K/V: the key of beam g at step s sits in slot s * G + g of 
 and each beam attends through an ancestry mask to its own ancestors' slots, so a beam reorder
 rewrites a small table instead of copying every layer's K/V. The attention modules see neither
 layout: they hand their queries, keys and values to the layer cache and attend with what it
-returns.
+returns, or take the cache's own attention (`LayerCache.attention`) where it has one.
+
+For a bfloat16 model on a CPU where mtrain.cpu_kernels's kernel loads, every layer keeps its keys
+and values in bfloat16 and its keys transposed, (rows, H, d_head, slots), the layout that kernel
+reads; the views handed to the attention modules are the usual (rows, H, slots, d_head).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+
+from mtrain import cpu_kernels
 
 
 class LayerCache:
@@ -35,6 +41,10 @@ class LayerCache:
         # A row reorder of self_k/self_v not applied yet: the next append applies it while it
         # copies into a new buffer (rows only change when search drops finished sentences).
         self.order: Tensor | None = None
+        # Whether the keys are kept for mtrain.cpu_kernels: bfloat16, transposed (rows, H, d_head,
+        # slots) with the slots padded to a multiple of 16; decided by the first keys stored.
+        self.transposed: bool | None = None
+        self.cross_len = 0
 
     def fold(self, x: Tensor) -> Tensor:
         """(B, H, t, d_head) per-row heads -> the layout attention runs in (here: unchanged)."""
@@ -48,25 +58,55 @@ class LayerCache:
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write (rows, H, t, d_head) k and v after the filled positions (applying a pending row
-        reorder first); return views of every position so far."""
+        reorder first); return (rows, H, positions so far, d_head) views of every position so far."""
+        if self.transposed is None:
+            self.transposed = cpu_kernels.wanted(k)
         start, end = self.filled, self.filled + k.size(2)
-        grow = self.self_k is None or self.self_k.size(2) < end
+        grow = self.self_k is None or self.capacity() < end
         if grow or self.order is not None:
-            capacity = max(32, 2 * end, self.reserved) if grow else self.self_k.size(2)
-            self.self_k = _regrow(self.self_k, k, capacity, start, self.order)
-            self.self_v = _regrow(self.self_v, v, capacity, start, self.order)
+            capacity = max(32, 2 * end, self.reserved) if grow else self.capacity()
+            self.self_k = _regrow(self.self_k, k, capacity, start, self.order, self.transposed)
+            self.self_v = _regrow(self.self_v, v, capacity, start, self.order, False, self.transposed)
             self.order = None
-        self.self_k[:, :, start:end] = k
+        if self.transposed:
+            self.self_k[..., start:end] = k.transpose(2, 3)
+            # The kernel reads whole blocks of 16 slots: the rest of the last block must be finite.
+            lo, hi = max(end, _round16(start)), _round16(end)
+            if hi > lo:
+                self.self_k[..., lo:hi] = 0
+        else:
+            self.self_k[:, :, start:end] = k
         self.self_v[:, :, start:end] = v
         self.filled = end
-        return self.self_k[:, :, :end], self.self_v[:, :, :end]
+        return self.positions(end)
+
+    def capacity(self) -> int:
+        """The positions the self-attention buffers hold."""
+        return self.self_v.size(2)
+
+    def positions(self, end: int) -> tuple[Tensor, Tensor]:
+        """(rows, H, end, d_head) views of the self-attention keys and values of positions 0..end-1."""
+        keys = self.self_k[..., :end].transpose(2, 3) if self.transposed else self.self_k[:, :, :end]
+        return keys, self.self_v[:, :, :end]
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor | None:
+        """mtrain.cpu_kernels's attention of q over the keys k and values v this cache returned
+        (views of its transposed layout), or None: the caller attends by other means."""
+        if not self.transposed or is_causal:
+            return None
+        return cpu_kernels.attend(q, k.transpose(2, 3), v, mask)
 
     def cross_attention(self, q: Tensor, memory: Tensor,
                         memory_kv: Callable[[Tensor], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
         """(queries, keys, values) over the source; memory_kv runs on the first call only."""
         if self.cross_k is None:
-            self.cross_k, self.cross_v = map(stored, memory_kv(memory))
-        return self.fold(q), self.cross_k, self.cross_v
+            k, v = memory_kv(memory)
+            if self.transposed is None:
+                self.transposed = cpu_kernels.wanted(k)
+            self.cross_len = k.size(2)
+            self.cross_k, self.cross_v = (_transposed(k), stored(v, k.dtype)) if self.transposed else map(stored, (k, v))
+        keys = self.cross_k[..., : self.cross_len].transpose(2, 3) if self.transposed else self.cross_k
+        return self.fold(q), keys, self.cross_v
 
     def reorder(self, index: Tensor, source: Tensor | None) -> None:
         """Target row i becomes old row index[i]; source rows follow `source` when given."""
@@ -113,21 +153,47 @@ def stored_dtype(x: Tensor) -> torch.dtype:
     return torch.float32 if x.device.type == "cpu" and x.dtype == torch.bfloat16 else x.dtype
 
 
-def stored(x: Tensor) -> Tensor:
-    """x in stored_dtype, contiguous: the cross-attention K/V come as views of one fused projection,
-    which every step's matmul would otherwise copy."""
-    return x.to(dtype=stored_dtype(x), memory_format=torch.contiguous_format)
+def stored(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """x in stored_dtype (or dtype), contiguous: the cross-attention K/V come as views of one fused
+    projection, which every step's matmul would otherwise copy."""
+    return x.to(dtype=dtype or stored_dtype(x), memory_format=torch.contiguous_format)
 
 
-def _regrow(old: Tensor | None, like: Tensor, capacity: int, filled: int, order: Tensor | None) -> Tensor:
-    """A (rows, H, capacity, d_head) buffer holding the first `filled` positions of old, its rows
-    in `order` when given (index_select writes straight into the new buffer)."""
-    out = like.new_empty(like.shape[0], like.shape[1], capacity, like.shape[3], dtype=stored_dtype(like))
-    if old is not None and filled:
+def _round16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def _transposed(k: Tensor) -> Tensor:
+    """(B, H, S, d_head) keys -> (B, H, d_head, S rounded up to 16), zeros after S, as
+    mtrain.cpu_kernels reads them."""
+    out = k.new_zeros(k.shape[0], k.shape[1], k.shape[3], _round16(k.shape[2]))
+    out[..., : k.shape[2]] = k.transpose(2, 3)
+    return out
+
+
+def _regrow(old: Tensor | None, like: Tensor, capacity: int, filled: int, order: Tensor | None,
+            transposed: bool, native: bool = False) -> Tensor:
+    """A (rows, H, capacity, d_head) buffer, or (rows, H, d_head, capacity) when transposed, holding
+    the first `filled` positions of old, its rows in `order` when given (index_select writes straight
+    into the new buffer). Buffers for mtrain.cpu_kernels (transposed or native) keep like's dtype
+    and a capacity that is a multiple of 16; the others are in stored_dtype."""
+    rows, heads, _, width = like.shape
+    if transposed or native:
+        capacity = _round16(capacity)
+    if transposed:
+        out = like.new_empty(rows, heads, width, capacity)
+        out[..., filled:_round16(filled)] = 0  # finite, for the kernel's blocks of 16 slots
+        old_part = None if old is None else old[..., :filled]
+        new_part = out[..., :filled]
+    else:
+        out = like.new_empty(rows, heads, capacity, width, dtype=like.dtype if native else stored_dtype(like))
+        old_part = None if old is None else old[:, :, :filled]
+        new_part = out[:, :, :filled]
+    if old_part is not None and filled:
         if order is None:
-            out[:, :, :filled] = old[:, :, :filled]
+            new_part.copy_(old_part)
         else:
-            torch.index_select(old[:, :, :filled], 0, order, out=out[:, :, :filled])
+            torch.index_select(old_part, 0, order, out=new_part)
     return out
 
 
@@ -187,9 +253,11 @@ class KVCache:
         for old, new in zip(self.layers, out.layers):
             new.cross_k, new.cross_v = old.cross_k, old.cross_v
             # (sources, H, 1, d_head) broadcast to step 0's slots of all G beams
-            k, v = old.self_k[:, :, :1], old.self_v[:, :, :1]
+            new.transposed = old.transposed
+            new.cross_len = old.cross_len
+            k, v = old.positions(1)
             new.append(k.expand(-1, -1, group, -1), v.expand(-1, -1, group, -1))
-        out.record_step(old.self_k.shape[0] * group, old.self_k.device)  # each beam its own step-0 ancestor
+        out.record_step(old.self_v.shape[0] * group, old.self_v.device)  # each beam its own step-0 ancestor
         out.length = 1
         return out
 

@@ -159,9 +159,12 @@ class SelfAttention(nn.Module):
             qkv = packing.to_grid(qkv)
         B, T, _ = qkv.shape
         q, k, v = split_heads(qkv, 3, self.n_heads)
+        y = None
         if cache is not None:
             q, k, v, mask = cache.self_attention(q, k, v, mask)
-        y = attend(q, k, v, mask, p, is_causal)  # (B', H, T', d_head): a cache may fold rows
+            y = cache.attention(q, k, v, mask, is_causal)
+        if y is None:
+            y = attend(q, k, v, mask, p, is_causal)  # (B', H, T', d_head): a cache may fold rows
         y = y.transpose(1, 2).reshape(B, T, x.size(-1))  # concat heads
         return dropout_linear(self.out, y if packing is None else packing.to_rows(y), dropout, self.training)
 
@@ -197,11 +200,15 @@ class CrossAttention(nn.Module):
             q = packing.to_grid(q)
         B, T, D = q.shape
         q = q.view(B, T, self.n_heads, D // self.n_heads).transpose(1, 2)  # (B, H, T, d_head)
+        y = None
         if cache is None:
             k, v = self.memory_kv(memory, memory_packing)
         else:  # K/V computed on the first cached call, then reused for every step of the sentence
             q, k, v = cache.cross_attention(q, memory, self.memory_kv)
-        y = attend(q, k, v, mask, p).transpose(1, 2).reshape(B, T, D)  # concat heads
+            y = cache.attention(q, k, v, mask, False)
+        if y is None:
+            y = attend(q, k, v, mask, p)
+        y = y.transpose(1, 2).reshape(B, T, D)  # concat heads
         return dropout_linear(self.out, y if packing is None else packing.to_rows(y), dropout, self.training)
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from mtrain import cpu_kernels
 from mtrain.kernels import NEG_INF, argmax_rows, logsumexp_, logsumexp_near_, topk_rows
 from mtrain.quantize import weights_dtype
 from mtrain.tokenizer import BOS_ID, EOS_ID, PAD_ID
@@ -158,18 +159,25 @@ class Float32Blocks:
 
 
 def step_logits(model: Decoder, tokens: Tensor, memory: Any, src: Tensor, cache,
-                blocks: Float32Blocks | None = None) -> Iterator[tuple[int, Tensor]]:
+                blocks: Float32Blocks | None = None, bfloat16: bool = False) -> Iterator[tuple[int, Tensor]]:
     """Feed one new token per row; yield (first row, float32 logits (n, V) of rows first..first+n-1),
     block after block. The blocks are the caller's to overwrite, until it asks for the next one (with
-    `blocks`, each is upcast into that one buffer). A model with decode_states and project runs the
-    decoder once and the output projection block by block; any other, one block of all rows."""
+    `blocks`, each is upcast into that one buffer; with bfloat16, a bfloat16 model's blocks come as
+    they are). A model with decode_states and project runs the decoder once and the output
+    projection block by block; any other, one block of all rows."""
     tgt = tokens.unsqueeze(1)
     if not projects_in_blocks(model):
         yield 0, model.decode(tgt, memory, src, cache)[:, -1].float()
         return
     upcast = blocks.upcast if blocks is not None else Tensor.float
+    if bfloat16:
+        upcast = _float_unless_bfloat16(upcast)
     for first, logits in projected_blocks(model, model.decode_states(tgt, memory, src, cache)[:, -1]):
         yield first, upcast(logits)
+
+
+def _float_unless_bfloat16(upcast):
+    return lambda block: block if block.dtype == torch.bfloat16 else upcast(block)
 
 
 def projects_in_blocks(model: Any) -> bool:
@@ -200,9 +208,11 @@ def next_token_topk(model: Decoder, tokens: Tensor, memory: Tensor, src: Tensor,
     """Feed one new token per row; the k most probable next tokens of each row: float32
     log-probs (N, k), best first, and their ids (N, k). PAD/BOS and banned tokens never; a row
     with forced[row] >= 0 gets that token alone (the others -inf). Rows are handled in blocks
-    (step_logits); each row's result depends on that row alone."""
+    (step_logits); each row's result depends on that row alone. A bfloat16 model's blocks stay
+    bfloat16 where mtrain.cpu_kernels' top-k kernel is loaded (topk_of_logits)."""
     tops, ids = [], []
-    for first, logits in step_logits(model, tokens, memory, src, cache, blocks):
+    fused = cpu_kernels.library() is not None and tokens.device.type == "cpu"
+    for first, logits in step_logits(model, tokens, memory, src, cache, blocks, bfloat16=fused):
         n = logits.size(0)
         top, top_ids = topk_of_logits(logits, forced[first : first + n], k, bans_in(bans, first, n))
         tops.append(top)
@@ -214,18 +224,25 @@ NORMALISER = logsumexp_near_  # each row's log sum exp in topk_of_logits (benchm
 
 
 def topk_of_logits(logits: Tensor, forced: Tensor, k: int, bans: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-    """next_token_topk on one block of (n, V) float32 logits, which it overwrites.
+    """next_token_topk on one block of (n, V) float32 or bfloat16 logits, which it overwrites.
 
     On a CPU, log_softmax over the whole vocabulary and then top-k cost more than the output
-    projection. Here the logits are read twice (chunked top-k, then logsumexp in place) and never
-    copied; the masking happens on the k + 2 best, which hold the k best other than PAD and BOS.
-    Banned tokens leave the top-k as -inf logits; the normaliser still counts them."""
+    projection. Here float32 logits are read twice (chunked top-k, then logsumexp in place) and
+    never copied, bfloat16 ones once by mtrain.cpu_kernels.topk_logsumexp; the masking happens on the
+    k + 2 best, which hold the k best other than PAD and BOS. Banned tokens leave the top-k as -inf
+    logits; the normaliser still counts them."""
     rows = (forced >= 0).nonzero().squeeze(1)
-    kept = logits[rows, forced[rows]].clone()
-    banned = logits[bans].clone()
+    kept = logits[rows, forced[rows]].float()  # indexing copies: the logits are overwritten below
+    banned = logits[bans].float()
     logits[bans] = NEG_INF
-    top, ids = topk_rows(logits, min(k + 2, logits.size(1)))
-    lse = NORMALISER(logits, peak=top[:, :1].clone())  # over every token; overwrites the logits
+    width = min(k + 2, logits.size(1))
+    fused = cpu_kernels.topk_logsumexp(logits, width) if logits.dtype == torch.bfloat16 else None
+    if fused is not None:
+        top, ids, lse = fused
+    else:
+        logits = logits.float()
+        top, ids = topk_rows(logits, width)
+        lse = NORMALISER(logits, peak=top[:, :1].clone())  # over every token; overwrites the logits
     if banned.numel():
         lse = _add_to_normaliser(lse, bans[0], banned)
     top = top.sub_(lse).masked_fill_((ids == PAD_ID) | (ids == BOS_ID), NEG_INF)

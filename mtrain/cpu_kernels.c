@@ -1,0 +1,305 @@
+/* Two decoding kernels for a bfloat16 model on a CPU, built and called by mtrain.cpu_kernels
+   (which says why they exist and what they were measured against).
+
+   mtrain_cache_attention: attention of a few queries per (row, head) over a decoding cache.
+   mtrain_topk_logsumexp: per row of bfloat16 logits, the k largest values with their columns and
+   the log of the sum of the exponentials of all of them, in one pass.
+
+   Built without -ffast-math on purpose: that flag links code that sets flush-to-zero for the whole
+   process at load time. exp16 below is the one vector exponential both kernels use. */
+
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+static inline f32x16 splat(float x) { return (f32x16){0} + x; }
+
+static inline f32x16 load_bf16x16(const uint16_t *p) {
+  u16x16 h;
+  memcpy(&h, p, sizeof h);
+  u32x16 u = __builtin_convertvector(h, u32x16) << 16;
+  f32x16 f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+static inline float bf16_to_float(uint16_t x) {
+  uint32_t u = (uint32_t)x << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even */
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  u += 0x7FFF + ((u >> 16) & 1);
+  return (uint16_t)(u >> 16);
+}
+
+static inline f32x16 select16(i32x16 take_a, f32x16 a, f32x16 b) {
+  i32x16 ia, ib, r;
+  memcpy(&ia, &a, sizeof ia);
+  memcpy(&ib, &b, sizeof ib);
+  r = (take_a & ia) | (~take_a & ib);
+  f32x16 f;
+  memcpy(&f, &r, sizeof f);
+  return f;
+}
+
+/* exp(x): x clamped to [ln 2^-126, 88.376] (so -inf gives about 1.2e-38, never a subnormal path),
+   x = n ln2 + r with |r| <= ln2 / 2, exp(r) by Cephes' degree-6 polynomial, times 2^n through
+   the exponent bits. Within 2 ulp of expf over the range. */
+static inline f32x16 exp16(f32x16 x) {
+  const f32x16 lo = splat(-87.33654f), hi = splat(88.37626f);
+  x = select16(x < lo, lo, x);
+  x = select16(x > hi, hi, x);
+  f32x16 t = x * 1.44269504088896341f + 12582912.0f; /* 1.5 * 2^23: round to an integer */
+  f32x16 n = t - 12582912.0f;
+  f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  f32x16 p = splat(1.9875691500E-4f);
+  p = p * r + 1.3981999507E-3f;
+  p = p * r + 8.3334519073E-3f;
+  p = p * r + 4.1665795894E-2f;
+  p = p * r + 1.6666665459E-1f;
+  p = p * r + 5.0000001201E-1f;
+  p = p * r * r + r + 1.0f;
+  i32x16 bits, pbits;
+  memcpy(&bits, &t, sizeof bits);
+  memcpy(&pbits, &p, sizeof pbits);
+  pbits += (bits - 0x4B400000) << 23;
+  memcpy(&p, &pbits, sizeof p);
+  return p;
+}
+
+static inline int any16(i32x16 m) {
+  uint64_t w[8];
+  memcpy(w, &m, sizeof w);
+  return (w[0] | w[1] | w[2] | w[3] | w[4] | w[5] | w[6] | w[7]) != 0;
+}
+
+/* ---- attention over a decoding cache ----------------------------------------------------------
+
+   q    (B, H, G, D)  bfloat16 queries, any strides
+   kt   (B, H, D, N)  bfloat16 keys, transposed (last stride 1), readable and finite up to N
+                      rounded up to 16
+   v    (B, H, N, D)  bfloat16 values (last stride 1)
+   mask (B, G or 1, N) uint8, 1 = may attend (last stride 1), or NULL: every key
+   out  (B, H, G, D)  bfloat16 result, any strides; a query that may attend to no key gets zeros
+
+   Per (row, head): the scores of 16 keys at a time are G vector accumulators over D multiply-adds
+   (the transposed keys make each step one contiguous load, no horizontal sums); the softmax runs
+   in float32 over the slots, masked ones weighted 0; the values are summed row by row. The result
+   is rounded to bfloat16 once, as a float32 attention cast back would be. Strides are in elements:
+   qs[4], ks[3] (b, h, d), vs[3] (b, h, n), ms[2] (b, g: 0 for one mask row), os[4]. */
+
+#define MAX_QUERIES 8
+#define MAX_KEYS 4096
+
+static inline __attribute__((always_inline)) void one_head(
+    const int G, const int D, int64_t row, int64_t head, const uint16_t *q, const int64_t *qs,
+    const uint16_t *kt, const int64_t *ks, const uint16_t *v, const int64_t *vs,
+    const uint8_t *mask, const int64_t *ms, uint16_t *out, const int64_t *os, int64_t N,
+    float scale) {
+  const int64_t padded = (N + 15) & ~(int64_t)15;
+  float query[MAX_QUERIES][128];
+  float weight[MAX_QUERIES][MAX_KEYS] __attribute__((aligned(64)));
+  int32_t keep[MAX_KEYS] __attribute__((aligned(64)));
+  for (int g = 0; g < G; g++) {
+    const uint16_t *qp = q + row * qs[0] + head * qs[1] + g * qs[2];
+    for (int d = 0; d < D; d++) query[g][d] = bf16_to_float(qp[d * qs[3]]) * scale;
+  }
+  const uint16_t *keys = kt + row * ks[0] + head * ks[1];
+  for (int64_t s = 0; s < padded; s += 16) {
+    f32x16 acc[MAX_QUERIES];
+    for (int g = 0; g < G; g++) acc[g] = splat(0.0f);
+    for (int d = 0; d < D; d++) {
+      f32x16 k = load_bf16x16(keys + d * ks[2] + s);
+      for (int g = 0; g < G; g++) acc[g] += query[g][d] * k;
+    }
+    for (int g = 0; g < G; g++) memcpy(&weight[g][s], &acc[g], sizeof acc[g]);
+  }
+  for (int g = 0; g < G; g++) {
+    const uint8_t *allowed = mask ? mask + row * ms[0] + g * ms[1] : NULL;
+    for (int64_t s = 0; s < N; s++) keep[s] = allowed && !allowed[s] ? 0 : -1;
+    for (int64_t s = N; s < padded; s++) keep[s] = 0;
+    float *w = weight[g];
+    f32x16 top = splat(-INFINITY);
+    for (int64_t s = 0; s < padded; s += 16) {
+      f32x16 x, m;
+      memcpy(&x, w + s, sizeof x);
+      i32x16 k;
+      memcpy(&k, keep + s, sizeof k);
+      m = select16(k, x, splat(-INFINITY));
+      top = select16(m > top, m, top);
+    }
+    float best = -INFINITY;
+    for (int i = 0; i < 16; i++) best = top[i] > best ? top[i] : best;
+    if (best == -INFINITY) { /* nothing to attend to */
+      for (int64_t s = 0; s < padded; s++) w[s] = 0.0f;
+      continue;
+    }
+    f32x16 sum = splat(0.0f);
+    for (int64_t s = 0; s < padded; s += 16) {
+      f32x16 x;
+      memcpy(&x, w + s, sizeof x);
+      i32x16 k;
+      memcpy(&k, keep + s, sizeof k);
+      f32x16 e = select16(k, exp16(x - best), splat(0.0f));
+      memcpy(w + s, &e, sizeof e);
+      sum += e;
+    }
+    float total = 0.0f;
+    for (int i = 0; i < 16; i++) total += sum[i];
+    float inv = 1.0f / total;
+    for (int64_t s = 0; s < padded; s++) w[s] *= inv;
+  }
+  f32x16 acc[MAX_QUERIES][128 / 16];
+  for (int g = 0; g < G; g++)
+    for (int j = 0; j < D / 16; j++) acc[g][j] = splat(0.0f);
+  const uint16_t *values = v + row * vs[0] + head * vs[1];
+  for (int64_t s = 0; s < N; s++) {
+    f32x16 value[128 / 16];
+    for (int j = 0; j < D / 16; j++) value[j] = load_bf16x16(values + s * vs[2] + 16 * j);
+    for (int g = 0; g < G; g++) {
+      float w = weight[g][s];
+      for (int j = 0; j < D / 16; j++) acc[g][j] += w * value[j];
+    }
+  }
+  for (int g = 0; g < G; g++) {
+    float result[128];
+    memcpy(result, acc[g], sizeof(float) * D);
+    uint16_t *op = out + row * os[0] + head * os[1] + g * os[2];
+    for (int d = 0; d < D; d++) op[d * os[3]] = float_to_bf16(result[d]);
+  }
+}
+
+#define HEAD(g, d) one_head(g, d, i / H, i % H, q, qs, kt, ks, v, vs, mask, ms, out, os, N, scale)
+#define QUERIES(d)                \
+  switch (G) {                    \
+    case 1: HEAD(1, d); break;    \
+    case 2: HEAD(2, d); break;    \
+    case 3: HEAD(3, d); break;    \
+    case 4: HEAD(4, d); break;    \
+    case 5: HEAD(5, d); break;    \
+    case 6: HEAD(6, d); break;    \
+    case 7: HEAD(7, d); break;    \
+    default: HEAD(8, d); break;   \
+  }
+
+int mtrain_cache_attention(const uint16_t *q, const int64_t *qs, const uint16_t *kt,
+                           const int64_t *ks, const uint16_t *v, const int64_t *vs,
+                           const uint8_t *mask, const int64_t *ms, uint16_t *out,
+                           const int64_t *os, int64_t B, int64_t H, int64_t G, int64_t N,
+                           int64_t D, float scale, int threads) {
+  if (G < 1 || G > MAX_QUERIES || N < 1 || N > MAX_KEYS || (D != 32 && D != 64 && D != 128))
+    return -1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t i = 0; i < B * H; i++) {
+    if (D == 64) {
+      QUERIES(64)
+    } else if (D == 32) {
+      QUERIES(32)
+    } else {
+      QUERIES(128)
+    }
+  }
+  return 0;
+}
+
+/* ---- top-k and log-sum-exp of logits ----------------------------------------------------------
+
+   x (rows, V) bfloat16 logits, row stride `stride`; top (rows, k) float32 descending and ids
+   (rows, k) int64 their columns (of equal values the first column first; -inf fills a row with
+   fewer than k values above -inf, at column 0); lse (rows) float32, log sum exp over all V, or
+   NULL. One pass: each block of 16 updates the running maximum and sum of exponentials, and only
+   a block holding a value above the current k-th best is searched. The sum is taken of exp(x)
+   itself where the row's maximum lies in (-60, 88 - ln V) (no overflow, no loss of the largest
+   terms), else in a second pass of exp(x - max). */
+
+#define MAX_K 32
+
+static inline void insert(float val, int64_t col, int k, float *tv, int64_t *ti, int *filled) {
+  int j = *filled < k ? (*filled)++ : k - 1;
+  while (j > 0 && tv[j - 1] < val) {
+    tv[j] = tv[j - 1];
+    ti[j] = ti[j - 1];
+    j--;
+  }
+  tv[j] = val;
+  ti[j] = col;
+}
+
+static void topk_row(const uint16_t *x, int64_t V, int k, float *top, int64_t *ids, float *lse) {
+  float tv[MAX_K];
+  int64_t ti[MAX_K];
+  int filled = 0;
+  float kth = -INFINITY; /* the k-th best so far (once k are held) */
+  f32x16 high = splat(-INFINITY), sum = splat(0.0f);
+  int64_t s = 0;
+  for (; s + 16 <= V; s += 16) {
+    f32x16 v = load_bf16x16(x + s);
+    high = select16(v > high, v, high);
+    sum += exp16(v);
+    if (filled < k || any16(v > kth)) {
+      for (int i = 0; i < 16; i++) {
+        if (v[i] > kth || (filled < k && v[i] > -INFINITY)) {
+          insert(v[i], s + i, k, tv, ti, &filled);
+          if (filled == k) kth = tv[k - 1];
+        }
+      }
+    }
+  }
+  float best = -INFINITY, total = 0.0f;
+  for (int i = 0; i < 16; i++) {
+    best = high[i] > best ? high[i] : best;
+    total += sum[i];
+  }
+  for (; s < V; s++) {
+    float val = bf16_to_float(x[s]);
+    best = val > best ? val : best;
+    total += expf(val);
+    if (val > kth || (filled < k && val > -INFINITY)) {
+      insert(val, s, k, tv, ti, &filled);
+      if (filled == k) kth = tv[k - 1];
+    }
+  }
+  for (int i = filled; i < k; i++) {
+    tv[i] = -INFINITY;
+    ti[i] = 0;
+  }
+  if (lse) {
+    if (best > -60.0f && best < 88.0f - logf((float)V)) {
+      *lse = logf(total);
+    } else if (best == -INFINITY || best == INFINITY || best != best) {
+      *lse = best;
+    } else {
+      f32x16 acc = splat(0.0f);
+      int64_t t = 0;
+      for (; t + 16 <= V; t += 16) acc += exp16(load_bf16x16(x + t) - best);
+      float rest = 0.0f;
+      for (int i = 0; i < 16; i++) rest += acc[i];
+      for (; t < V; t++) rest += expf(bf16_to_float(x[t]) - best);
+      *lse = best + logf(rest);
+    }
+  }
+  for (int i = 0; i < k; i++) {
+    top[i] = tv[i];
+    ids[i] = ti[i];
+  }
+}
+
+int mtrain_topk_logsumexp(const uint16_t *x, int64_t rows, int64_t V, int64_t stride, int64_t k,
+                          float *top, int64_t *ids, float *lse, int threads) {
+  if (k < 1 || k > MAX_K || V < k) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t r = 0; r < rows; r++)
+    topk_row(x + r * stride, V, (int)k, top + r * k, ids + r * k, lse ? lse + r : NULL);
+  return 0;
+}

@@ -1,0 +1,259 @@
+"""mtrain.cpu_kernels: the C kernel against attention in float64, its refusals, the cache's
+transposed bfloat16 layout, and the switch and the fallbacks when it cannot be built."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from mtrain import cpu_kernels
+from mtrain.cache import KVCache
+from mtrain.config import ModelConfig
+from mtrain.model import Transformer
+from mtrain.quantize import bfloat16_weights
+from mtrain.search import beam_search, greedy_search
+
+needs_kernel = pytest.mark.skipif(cpu_kernels.library() is None, reason=f"kernel not built: {cpu_kernels.status}")
+
+
+def reference(q, kt, v, mask):
+    """softmax(q k^T / sqrt(d)) v in float64 from the same bfloat16 inputs; zeros where no key is allowed."""
+    q, k, v = q.double(), kt.transpose(-1, -2).double(), v.double()
+    scores = q @ k.transpose(-1, -2) * q.size(-1) ** -0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return weights @ v
+
+
+def inputs(B, H, G, N, D, capacity=None, seed=0):
+    """q (B, H, G, D); kt a (B, H, D, N) view of a buffer of `capacity` columns (a multiple of 16,
+    zeros after N), v (B, H, N, D) a view of a longer buffer: the cache's layout."""
+    gen = torch.Generator().manual_seed(seed)
+    capacity = capacity or -(-N // 16) * 16
+    q = torch.randn(B, H, G, D, generator=gen).bfloat16()
+    kt_buffer = torch.zeros(B, H, D, capacity, dtype=torch.bfloat16)
+    kt_buffer[..., :N] = torch.randn(B, H, D, N, generator=gen).bfloat16()
+    v = torch.randn(B, H, capacity, D, generator=gen).bfloat16()[:, :, :N]
+    return q, kt_buffer[..., :N], v
+
+
+@needs_kernel
+@pytest.mark.parametrize("G", [1, 5, 8])
+@pytest.mark.parametrize("D", [32, 64, 128])
+@pytest.mark.parametrize("N", [1, 13, 16, 17, 150])
+def test_kernel_equals_attention_in_float64(G, D, N):
+    """Every query, any key count (inside one block of 16, on its edge, across blocks), no mask:
+    within the float32 arithmetic and the result's one bfloat16 rounding of the exact value."""
+    q, kt, v = inputs(3, 2, G, N, D, capacity=-(-N // 16) * 16 + 32)
+    got = cpu_kernels.attend(q, kt, v, None)
+    want = reference(q, kt, v, None)
+    assert got.shape == (3, 2, G, D) and got.dtype == torch.bfloat16
+    assert torch.allclose(got.double(), want, rtol=2 ** -8, atol=1e-5)
+
+
+@needs_kernel
+def test_kernel_honours_key_masks_and_per_query_masks():
+    """A source mask (one row for all queries, as cross-attention's) and an ancestry-like mask
+    (one row per query, as beam search's): masked keys take no weight; a query that may attend to
+    nothing gets zeros, as PyTorch's CPU kernel gives."""
+    B, H, G, N, D = 4, 3, 5, 37, 64
+    q, kt, v = inputs(B, H, G, N, D)
+    gen = torch.Generator().manual_seed(1)
+    keys = torch.rand(B, 1, 1, N, generator=gen) > 0.3
+    keys[:, :, :, 0] = True
+    per_query = torch.rand(B, 1, G, N, generator=gen) > 0.6
+    per_query[0, 0, 2] = False  # nothing allowed
+    for mask in (keys, per_query):
+        got = cpu_kernels.attend(q, kt, v, mask)
+        assert torch.allclose(got.double(), reference(q, kt, v, mask), rtol=2 ** -8, atol=1e-5)
+    assert torch.equal(cpu_kernels.attend(q, kt, v, per_query)[0, :, 2], torch.zeros(H, D, dtype=torch.bfloat16))
+
+
+@needs_kernel
+def test_result_is_laid_out_for_the_heads_concatenation():
+    """(B, H, G, D) as a view of (B, G, H, D): concatenating the heads needs no copy."""
+    q, kt, v = inputs(2, 4, 5, 20, 64)
+    out = cpu_kernels.attend(q, kt, v, None)
+    assert out.transpose(1, 2).is_contiguous()
+
+
+@needs_kernel
+def test_kernel_declines_what_it_was_not_built_for():
+    q, kt, v = inputs(2, 2, 9, 20, 64)
+    assert cpu_kernels.attend(q, kt, v, None) is None  # more than 8 queries
+    q, kt, v = inputs(2, 2, 1, 20, 48)
+    assert cpu_kernels.attend(q, kt, v, None) is None  # a d_head it has no build for
+    q, kt, v = inputs(2, 2, 1, 20, 64)
+    assert cpu_kernels.attend(q.float(), kt, v, None) is None  # float32 queries
+    assert cpu_kernels.attend(q, kt, v, torch.ones(20, 20, dtype=torch.bool)) is None  # not (B, 1, G, N)
+    assert cpu_kernels.attend(q, kt.contiguous().transpose(-1, -2).contiguous().transpose(-1, -2), v, None) is None
+
+
+@pytest.fixture
+def bf16_model():
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=64, d_ff=128, n_heads=2, n_encoder_layers=2, n_decoder_layers=2, vocab_size=40,
+                      dropout=0.0, max_len=64)
+    return bfloat16_weights(Transformer(cfg).eval())
+
+
+@needs_kernel
+def test_bfloat16_cache_is_transposed_and_decodes_as_without_it(bf16_model):
+    """Step by step with the cache (the kernel, transposed bfloat16 keys) gives the logits of the
+    full prefix decoded without a cache (PyTorch's attention), to bfloat16 rounding."""
+    gen = torch.Generator().manual_seed(2)
+    src = torch.randint(4, 40, (3, 9), generator=gen)
+    src[1, 6:] = 0  # padding
+    tgt = torch.randint(4, 40, (3, 7), generator=gen)
+    with torch.inference_mode():
+        memory = bf16_model.encode(src)
+        full = bf16_model.decode(tgt, memory, src).float()
+        cache = bf16_model.new_cache()
+        steps = [bf16_model.decode(tgt[:, t : t + 1], memory, src, cache).float() for t in range(tgt.size(1))]
+    assert all(layer.transposed for layer in cache.layers)
+    assert cache.layers[0].self_k.dtype == torch.bfloat16 and cache.layers[0].self_k.size(2) == 32  # d_head
+    assert torch.allclose(torch.cat(steps, dim=1), full, atol=0.1, rtol=0.05)
+
+
+@needs_kernel
+def test_searches_agree_with_and_without_the_kernel(bf16_model, monkeypatch):
+    """Greedy and beam search over the transposed cache and over the float32 one reach the same
+    outputs for nearly every sentence (bfloat16 rounding may settle a near-tie otherwise)."""
+    gen = torch.Generator().manual_seed(3)
+    src = torch.randint(4, 40, (12, 10), generator=gen)
+    max_len = torch.full((12,), 12)
+    with_kernel = (greedy_search(bf16_model, src, max_len), beam_search(bf16_model, src, 4, 0.6, max_len))
+    monkeypatch.setattr(cpu_kernels, "wanted", lambda x: False)
+    without = (greedy_search(bf16_model, src, max_len), beam_search(bf16_model, src, 4, 0.6, max_len))
+    assert sum(a == b for a, b in zip(with_kernel[0], without[0])) >= 11
+    assert sum(a[0][0] == b[0][0] for a, b in zip(with_kernel[1], without[1])) >= 11
+
+
+def test_float32_models_keep_the_float32_layout():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(d_model=32, d_ff=64, n_heads=2, n_encoder_layers=1, n_decoder_layers=1,
+                                    vocab_size=20, dropout=0.0)).eval()
+    src = torch.randint(4, 20, (2, 5))
+    cache = model.new_cache()
+    with torch.inference_mode():
+        model.decode(torch.full((2, 1), 1), model.encode(src), src, cache)
+    assert cache.layers[0].transposed is False and cache.layers[0].self_k.size(2) >= 1
+    assert cache.layers[0].self_k.dtype == torch.float32
+
+
+def test_switched_off_and_without_a_compiler_nothing_is_built(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    try:
+        monkeypatch.setenv(cpu_kernels.ENV, "0")
+        cpu_kernels.library.cache_clear()
+        assert cpu_kernels.library() is None and cpu_kernels.status == f"off: {cpu_kernels.ENV}=0"
+        monkeypatch.delenv(cpu_kernels.ENV)
+        monkeypatch.setattr(cpu_kernels, "compiler", lambda: None)
+        cpu_kernels.library.cache_clear()
+        assert cpu_kernels.library() is None and "no C compiler" in cpu_kernels.status
+        assert not list(tmp_path.rglob("*.so"))
+    finally:
+        cpu_kernels.library.cache_clear()
+
+
+def test_a_failed_build_leaves_nothing_behind(monkeypatch, tmp_path):
+    """A compiler that fails: the reason in one line, no library file, decoding unaffected."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(cpu_kernels.ENV, raising=False)
+    monkeypatch.setattr(cpu_kernels, "compiler", lambda: "false")  # /bin/false: exits 1
+    try:
+        cpu_kernels.library.cache_clear()
+        assert cpu_kernels.library() is None
+        assert cpu_kernels.status.startswith("off: false could not build cpu_kernels.c")
+        assert not list(tmp_path.rglob("*.so"))
+    finally:
+        cpu_kernels.library.cache_clear()
+
+
+def test_library_name_follows_source_flags_and_cpu(tmp_path, monkeypatch):
+    first = cpu_kernels.library_path(tmp_path, "gcc")
+    assert first == cpu_kernels.library_path(tmp_path, "gcc")
+    assert first != cpu_kernels.library_path(tmp_path, "clang")
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: "fpu sse2")
+    assert first != cpu_kernels.library_path(tmp_path, "gcc")
+
+
+def check_topk(logits, k):
+    """topk_logsumexp against torch on the float32 upcast (exact for bfloat16): the same values, ids
+    that hold them (the first column of equal values first), and a float32-accurate normaliser."""
+    top, ids, lse = cpu_kernels.topk_logsumexp(logits, k)
+    x = logits.float()
+    want_top = x.topk(k, dim=1).values
+    assert torch.equal(top, want_top)
+    assert torch.equal(x.gather(1, ids), top)
+    for row in range(x.size(0)):  # among equal values, the first columns
+        for value in top[row].unique():
+            if value > float("-inf"):
+                columns = (x[row] == value).nonzero().squeeze(1)
+                taken = ids[row][top[row] == value]
+                assert torch.equal(taken, columns[: taken.numel()])
+    want_lse = torch.logsumexp(x.double(), dim=1, keepdim=True)
+    finite = want_lse.isfinite()
+    assert torch.allclose(lse.double()[finite], want_lse[finite], rtol=1e-6, atol=1e-6)
+    assert torch.equal(lse[~finite], want_lse[~finite].float())
+
+
+@needs_kernel
+@pytest.mark.parametrize("V", [16, 37, 8000])
+@pytest.mark.parametrize("k", [1, 7, 32])
+def test_topk_logsumexp_equals_torch(V, k):
+    if k > V:
+        pytest.skip("k > V")
+    gen = torch.Generator().manual_seed(V + k)
+    logits = (torch.randn(9, V, generator=gen) * 4).bfloat16()  # bfloat16: many ties
+    logits[1, :: 3] = float("-inf")  # banned or suppressed tokens
+    logits[2] += 70  # a maximum past 88 - ln V: the shifted sum
+    logits[3] -= 80  # a maximum below -60: the shifted sum
+    check_topk(logits, k)
+
+
+@needs_kernel
+def test_topk_logsumexp_rows_with_fewer_finite_values_than_k():
+    """A row with 2 finite values and k = 5 gets them, then -inf; an all -inf row gets -inf everywhere."""
+    logits = torch.full((2, 40), float("-inf"), dtype=torch.bfloat16)
+    logits[0, 7], logits[0, 30] = 1.5, 2.5
+    top, ids, lse = cpu_kernels.topk_logsumexp(logits, 5)
+    assert top[0, :2].tolist() == [2.5, 1.5] and ids[0, :2].tolist() == [30, 7]
+    assert top[0, 2:].isneginf().all() and top[1].isneginf().all()
+    assert lse[0, 0].item() == pytest.approx(torch.tensor([1.5, 2.5]).logsumexp(0).item(), rel=1e-6)
+    assert lse[1, 0].item() == float("-inf")
+
+
+@needs_kernel
+def test_topk_logsumexp_reads_a_block_of_rows_with_a_stride():
+    logits = (torch.randn(6, 100) * 3).bfloat16()
+    block = logits[:, :64]  # rows 100 apart
+    check_topk(block, 4)
+
+
+def test_topk_logsumexp_declines_float32_and_large_k():
+    logits = torch.randn(3, 50)
+    assert cpu_kernels.topk_logsumexp(logits, 4) is None
+    assert cpu_kernels.topk_logsumexp(logits.bfloat16(), 33) is None
+
+
+@needs_kernel
+def test_beam_search_on_bfloat16_blocks_equals_the_float32_logits_path(bf16_model, monkeypatch):
+    """Beam search with the top-k kernel on bfloat16 blocks of logits (several blocks a step) gives
+    the ids of the float32 path over the same logits, and scores equal to float32 rounding: only
+    the log-normaliser's summation order differs."""
+    import mtrain.search as search
+
+    gen = torch.Generator().manual_seed(4)
+    src = torch.randint(4, 40, (6, 8), generator=gen)
+    max_len = torch.full((6,), 10)
+    monkeypatch.setattr(search, "BLOCK_BYTES", 4 * 40 * 4)  # 4 rows a block
+    fused = beam_search(bf16_model, src, 3, 0.6, max_len, nbest=3, no_repeat_ngram=2)
+    monkeypatch.setattr(cpu_kernels, "topk_logsumexp", lambda *args: None)
+    plain = beam_search(bf16_model, src, 3, 0.6, max_len, nbest=3, no_repeat_ngram=2)
+    for got, want in zip(fused, plain):
+        assert [ids for ids, _ in got] == [ids for ids, _ in want]
+        assert [score for _, score in got] == pytest.approx([score for _, score in want], rel=1e-5, abs=1e-6)
