@@ -68,12 +68,10 @@ class LayerCache:
             self.self_k = _regrow(self.self_k, k, capacity, start, self.order, self.transposed)
             self.self_v = _regrow(self.self_v, v, capacity, start, self.order, False, self.transposed)
             self.order = None
-        if self.transposed:
-            self.self_k[..., start:end] = k.transpose(2, 3)
-            # The kernel reads whole blocks of 16 slots: the rest of the last block must be finite.
-            lo, hi = max(end, _round16(start)), _round16(end)
-            if hi > lo:
-                self.self_k[..., lo:hi] = 0
+        if self.transposed:  # zeros after the new keys: attention reads whole blocks of 16 slots
+            if not cpu_kernels.append_keys(k, self.self_k, start):
+                self.self_k[..., start:end] = k.transpose(2, 3)
+                self.self_k[..., end:_round16(end)] = 0
         else:
             self.self_k[:, :, start:end] = k
         self.self_v[:, :, start:end] = v

@@ -218,7 +218,7 @@ int mtrain_cache_attention(const uint16_t *q, const int64_t *qs, const uint16_t 
    x (rows, V) bfloat16 logits, row stride `stride`; top (rows, k) float32 descending and ids
    (rows, k) int64 their columns (of equal values the first column first; -inf fills a row with
    fewer than k values above -inf, at column 0); lse (rows) float32, log sum exp over all V, or
-   NULL. One pass: each block of 16 updates the running maximum and sum of exponentials, and only
+   NULL: no exponentials at all (greedy search's argmax). One pass: each block of 16 updates the running maximum and sum of exponentials, and only
    a block holding a value above the current k-th best is searched. The sum is taken of exp(x)
    itself where the row's maximum lies in (-60, 88 - ln V) (no overflow, no loss of the largest
    terms), else in a second pass of exp(x - max). */
@@ -246,7 +246,7 @@ static void topk_row(const uint16_t *x, int64_t V, int k, float *top, int64_t *i
   for (; s + 16 <= V; s += 16) {
     f32x16 v = load_bf16x16(x + s);
     high = select16(v > high, v, high);
-    sum += exp16(v);
+    if (lse) sum += exp16(v);
     if (filled < k || any16(v > kth)) {
       for (int i = 0; i < 16; i++) {
         if (v[i] > kth || (filled < k && v[i] > -INFINITY)) {
@@ -264,7 +264,7 @@ static void topk_row(const uint16_t *x, int64_t V, int k, float *top, int64_t *i
   for (; s < V; s++) {
     float val = bf16_to_float(x[s]);
     best = val > best ? val : best;
-    total += expf(val);
+    if (lse) total += expf(val);
     if (val > kth || (filled < k && val > -INFINITY)) {
       insert(val, s, k, tv, ti, &filled);
       if (filled == k) kth = tv[k - 1];
@@ -301,5 +301,28 @@ int mtrain_topk_logsumexp(const uint16_t *x, int64_t rows, int64_t V, int64_t st
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t r = 0; r < rows; r++)
     topk_row(x + r * stride, V, (int)k, top + r * k, ids + r * k, lse ? lse + r : NULL);
+  return 0;
+}
+
+/* ---- writing keys into the transposed cache ---------------------------------------------------
+
+   k (B, H, G, D) bfloat16, any strides (ks[4]) -> columns start..start+G-1 of kt (B, H, D, cap)
+   (strides ts[3] for b, h, d; last stride 1), and zeros in the columns after them up to the next
+   multiple of 16, which attention reads as part of its last block. PyTorch's strided copy into the
+   transposed layout and the separate fill took about 0.7 ms a layer at beam 5's shapes. */
+int mtrain_append_keys(const uint16_t *k, const int64_t *ks, uint16_t *kt, const int64_t *ts,
+                       int64_t B, int64_t H, int64_t G, int64_t D, int64_t start, int threads) {
+  const int64_t end = start + G, padded = (end + 15) & ~(int64_t)15;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t i = 0; i < B * H; i++) {
+    const int64_t b = i / H, h = i % H;
+    const uint16_t *src = k + b * ks[0] + h * ks[1];
+    uint16_t *dst = kt + b * ts[0] + h * ts[1];
+    for (int64_t d = 0; d < D; d++) {
+      uint16_t *column = dst + d * ts[2];
+      for (int64_t g = 0; g < G; g++) column[start + g] = src[g * ks[2] + d * ks[3]];
+      for (int64_t s = end; s < padded; s++) column[s] = 0;
+    }
+  }
   return 0;
 }

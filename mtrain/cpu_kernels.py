@@ -114,6 +114,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         return None, f"off: cannot load {path} ({err})"
     lib.mtrain_cache_attention.restype = ctypes.c_int
     lib.mtrain_topk_logsumexp.restype = ctypes.c_int
+    lib.mtrain_append_keys.restype = ctypes.c_int
     return lib, f"on: {path}"
 
 
@@ -158,11 +159,11 @@ def attend(q: Tensor, kt: Tensor, v: Tensor, mask: Tensor | None) -> Tensor | No
     return None if failed else out
 
 
-def topk_logsumexp(logits: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor] | None:
+def topk_logsumexp(logits: Tensor, k: int, normaliser: bool = True) -> tuple[Tensor, Tensor, Tensor | None] | None:
     """For (n, V) bfloat16 logits on a CPU (last stride 1): the k largest of each row as float32,
     descending, their columns (int64; of equal values the first column first), and each row's log
-    sum exp over all V as (n, 1) float32. None where the kernel is not loaded or k is out of its
-    range."""
+    sum exp over all V as (n, 1) float32 (None without `normaliser`: no exponentials are taken).
+    None where the kernel is not loaded or k is out of its range."""
     lib = library()
     n, V = logits.shape
     if lib is None or logits.dtype != torch.bfloat16 or logits.device.type != "cpu" or logits.stride(1) != 1:
@@ -171,9 +172,26 @@ def topk_logsumexp(logits: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor] | No
         return None
     top = torch.empty(n, k)
     ids = torch.empty(n, k, dtype=torch.long)
-    lse = torch.empty(n, 1)
+    lse = torch.empty(n, 1) if normaliser else None
     failed = lib.mtrain_topk_logsumexp(
         ctypes.c_void_p(logits.data_ptr()), ctypes.c_int64(n), ctypes.c_int64(V), ctypes.c_int64(logits.stride(0)),
         ctypes.c_int64(k), ctypes.c_void_p(top.data_ptr()), ctypes.c_void_p(ids.data_ptr()),
-        ctypes.c_void_p(lse.data_ptr()), ctypes.c_int(torch.get_num_threads()))
+        None if lse is None else ctypes.c_void_p(lse.data_ptr()), ctypes.c_int(torch.get_num_threads()))
     return None if failed else (top, ids, lse)
+
+
+def append_keys(k: Tensor, kt: Tensor, start: int) -> bool:
+    """Write bfloat16 keys k (B, H, G, d_head) into columns start..start+G-1 of the transposed
+    cache buffer kt (B, H, d_head, capacity; last stride 1), and zeros after them up to the next
+    multiple of 16 (which must lie within capacity). False where the kernel is not loaded."""
+    lib = library()
+    B, H, G, D = k.shape
+    if lib is None or k.dtype != torch.bfloat16 or kt.dtype != torch.bfloat16 or kt.stride(-1) != 1:
+        return False
+    if kt.shape[:3] != (B, H, D) or -(-(start + G) // 16) * 16 > kt.size(3):
+        return False
+    lib.mtrain_append_keys(
+        ctypes.c_void_p(k.data_ptr()), (ctypes.c_int64 * 4)(*k.stride()), ctypes.c_void_p(kt.data_ptr()),
+        (ctypes.c_int64 * 3)(*kt.stride()[:3]), ctypes.c_int64(B), ctypes.c_int64(H), ctypes.c_int64(G),
+        ctypes.c_int64(D), ctypes.c_int64(start), ctypes.c_int(torch.get_num_threads()))
+    return True

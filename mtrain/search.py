@@ -264,6 +264,15 @@ def _add_to_normaliser(lse: Tensor, rows: Tensor, values: Tensor) -> Tensor:
     return (shift + total.log()).unsqueeze(1)
 
 
+def best_rows(scores: Tensor) -> Tensor:
+    """argmax_rows of (N, V) logits; bfloat16 ones (a bfloat16 model's, where mtrain.cpu_kernels
+    is loaded) by its one pass over them, with no upcast: the same index, the first of equal maxima."""
+    if scores.dtype == torch.bfloat16:
+        fused = cpu_kernels.topk_logsumexp(scores, 1, normaliser=False)
+        return fused[1].squeeze(1) if fused is not None else argmax_rows(scores.float())
+    return argmax_rows(scores)
+
+
 def _until_eos(row: list[int]) -> list[int]:
     return row[: row.index(EOS_ID)] if EOS_ID in row else row
 
@@ -318,15 +327,16 @@ def _decode_token_by_token(model: Decoder, src: Tensor, rules: Constraints, pick
     ended = torch.zeros(B, dtype=torch.bool, device=src.device)  # per row: its sentence has its EOS
     tokens = src.new_full((B,), BOS_ID)
     blocks, sizes = Float32Blocks(), row_sizes(model, src.device)
+    fused = pick is None and cpu_kernels.library() is not None and src.device.type == "cpu"  # see best_rows
     for t in range(out.size(1)):
         forced, bans = rules.forced(active, t), rules.bans(out[active, :t])
         picked = []
-        for first, logits in step_logits(model, tokens, memory, src, cache, blocks):
+        for first, logits in step_logits(model, tokens, memory, src, cache, blocks, bfloat16=fused):
             n = logits.size(0)
             rows = active[first : first + n]
             full = None if pick is None else torch.log_softmax(logits, dim=-1)  # the model's own, for the score
             scores = restrict_(logits, forced[first : first + n], bans_in(bans, first, n))
-            chosen = argmax_rows(scores) if pick is None else pick(scores, rows, t)  # log_softmax keeps the argmax
+            chosen = best_rows(scores) if pick is None else pick(scores, rows, t)  # log_softmax keeps the argmax
             if full is not None:
                 gained = full.gather(1, chosen.unsqueeze(1)).squeeze(1).double()
                 logprob[rows] += gained.masked_fill_(ended[first : first + n], 0.0)

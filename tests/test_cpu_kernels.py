@@ -257,3 +257,33 @@ def test_beam_search_on_bfloat16_blocks_equals_the_float32_logits_path(bf16_mode
     for got, want in zip(fused, plain):
         assert [ids for ids, _ in got] == [ids for ids, _ in want]
         assert [score for _, score in got] == pytest.approx([score for _, score in want], rel=1e-5, abs=1e-6)
+
+
+@needs_kernel
+def test_append_keys_writes_columns_and_zeros_the_rest_of_their_block():
+    """Keys from a strided view (beam search's folded rows) land transposed in their columns; the
+    columns after them up to the next multiple of 16 become zeros; nothing else changes."""
+    B, H, G, D = 3, 2, 5, 64
+    qkv = torch.randn(B * G, 1, 3 * H * D).bfloat16()
+    k = qkv.view(B * G, 1, 3, H, D).unbind(2)[1].transpose(1, 2).unflatten(0, (B, G)).transpose(1, 2).flatten(2, 3)
+    buffer = torch.full((B, H, D, 48), 7.0, dtype=torch.bfloat16)
+    assert cpu_kernels.append_keys(k, buffer, 13)
+    assert torch.equal(buffer[..., 13:18], k.transpose(2, 3))
+    assert (buffer[..., 18:32] == 0).all() and (buffer[..., :13] == 7).all() and (buffer[..., 32:] == 7).all()
+    assert not cpu_kernels.append_keys(k, buffer, 44)  # its block (to 64) would pass the buffer's end
+    assert not cpu_kernels.append_keys(k.float(), buffer, 0)
+
+
+@needs_kernel
+def test_topk_without_normaliser_is_the_first_argmax():
+    """normaliser=False (greedy search): the same top values and columns, no log-sum-exp; top-1 is
+    argmax's first column of equal maxima (search.best_rows)."""
+    from mtrain.kernels import argmax_rows
+    from mtrain.search import best_rows
+
+    logits = (torch.randn(20, 300) * 2).bfloat16()
+    logits[3, 10] = logits[3, 250] = 99  # a tie: the first column wins
+    top, ids, lse = cpu_kernels.topk_logsumexp(logits, 3, normaliser=False)
+    assert lse is None
+    assert torch.equal(top, cpu_kernels.topk_logsumexp(logits, 3)[0]) and torch.equal(ids, cpu_kernels.topk_logsumexp(logits, 3)[1])
+    assert torch.equal(best_rows(logits), argmax_rows(logits.float())) and best_rows(logits)[3] == 10
