@@ -116,14 +116,22 @@ static inline __attribute__((always_inline)) void one_head(
     for (int d = 0; d < D; d++) query[g][d] = bf16_to_float(qp[d * qs[3]]) * scale;
   }
   const uint16_t *keys = kt + row * ks[0] + head * ks[1];
+  /* Few queries leave the multiply-adds one dependent chain each: split over d into P chains. */
+  const int P = G == 1 ? 4 : G == 2 ? 2 : 1; /* a constant once one_head is inlined for G */
   for (int64_t s = 0; s < padded; s += 16) {
-    f32x16 acc[MAX_QUERIES];
-    for (int g = 0; g < G; g++) acc[g] = splat(0.0f);
-    for (int d = 0; d < D; d++) {
-      f32x16 k = load_bf16x16(keys + d * ks[2] + s);
-      for (int g = 0; g < G; g++) acc[g] += query[g][d] * k;
+    f32x16 acc[MAX_QUERIES][4];
+    for (int g = 0; g < G; g++)
+      for (int c = 0; c < P; c++) acc[g][c] = splat(0.0f);
+    for (int d = 0; d < D; d += P) {
+      for (int c = 0; c < P; c++) {
+        f32x16 k = load_bf16x16(keys + (d + c) * ks[2] + s);
+        for (int g = 0; g < G; g++) acc[g][c] += query[g][d + c] * k;
+      }
     }
-    for (int g = 0; g < G; g++) memcpy(&weight[g][s], &acc[g], sizeof acc[g]);
+    for (int g = 0; g < G; g++) {
+      for (int c = 1; c < P; c++) acc[g][0] += acc[g][c];
+      memcpy(&weight[g][s], &acc[g][0], sizeof acc[g][0]);
+    }
   }
   for (int g = 0; g < G; g++) {
     const uint8_t *allowed = mask ? mask + row * ms[0] + g * ms[1] : NULL;

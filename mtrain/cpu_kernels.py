@@ -75,7 +75,9 @@ def build(path: Path, cc: str) -> str | None:
             subprocess.run([cc, *FLAGS, "-o", str(built), str(SOURCE), "-lm"], check=True, capture_output=True,
                            timeout=COMPILE_TIMEOUT_S)
         except (OSError, subprocess.SubprocessError) as err:
-            return f"{cc} could not build {SOURCE.name} ({type(err).__name__})"
+            said = (getattr(err, "stderr", None) or b"").decode(errors="replace")
+            first = next((line.strip() for line in said.splitlines() if "error" in line), "")
+            return f"{cc} could not build {SOURCE.name} ({type(err).__name__}{': ' + first if first else ''})"
         os.replace(built, path)
     return None
 
