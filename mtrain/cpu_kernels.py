@@ -16,8 +16,9 @@ tokens and its log-normaliser. From bfloat16 logits that took an upcast to float
 and two passes for the logsumexp; the kernel reads the bfloat16 row once (1575 x 8000: 7.5 ms
 against 15.5).
 
-The file is built with -march=native (the library's name carries a hash of the source, the flags and
-the CPU's feature flags) and OpenMP, which resolves to the libgomp torch has loaded, and never with
+The file is built with -march=native (the library's name carries a hash of the source, the flags,
+the CPU's feature flags and the OpenMP runtime) and OpenMP, linked by path to the runtime torch runs
+on (openmp_runtime: sentencepiece and CTranslate2 bundle libgomps of their own), and never with
 -ffast-math (which would set flush-to-zero for the whole process). Without a C compiler, where the
 build fails, or with MTRAIN_CPU_KERNELS=0, nothing is built and decoding runs as it otherwise does;
 `status` says which. docs/benchmarks.md has the measurements."""
@@ -41,7 +42,7 @@ from mtrain.mkl_dispatch import cache_dir, compiler
 
 ENV = "MTRAIN_CPU_KERNELS"  # 0 (or off, false, no): decode with PyTorch's kernels only
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC")  # compiling; linking: -shared
 COMPILE_TIMEOUT_S = 120
 HEAD_SIZES = (32, 64, 128)  # the d_head values the kernel is built for
 MAX_QUERIES = 8  # per (row, head)
@@ -60,20 +61,46 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
         return ""
 
 
-def library_path(folder: Path, cc: str) -> Path:
-    """Where the kernel built from SOURCE with FLAGS by `cc` for this CPU lives."""
-    key = "\n".join([SOURCE.read_text(encoding="utf-8"), " ".join(FLAGS), cc, platform.machine(), cpu_flags()])
+def openmp_runtime(maps: Path = Path("/proc/self/maps"), torch_dir: Path | None = None) -> Path | None:
+    """The OpenMP runtime torch runs on (libgomp, or Intel's libiomp5, which also answers the GOMP_
+    calls gcc emits), found among the libraries this process has mapped: the one inside torch's
+    package where there is one (other packages bundle their own libgomp: sentencepiece,
+    CTranslate2), else the system's libgomp.so.1 or libiomp5.so; None if none is mapped."""
+    torch_dir = torch_dir or Path(torch.__file__).resolve().parent
+    found = []
+    try:
+        with maps.open(encoding="utf-8", errors="replace") as lines:
+            for line in lines:
+                fields = line.split()
+                name = Path(fields[-1]).name if len(fields) >= 6 else ""
+                if name.startswith(("libgomp", "libiomp5")) and ".so" in name:
+                    found.append(Path(fields[-1]))
+    except OSError:
+        return None
+    inside = [path for path in found if torch_dir in path.parents]
+    system = [path for path in found if path.name in ("libgomp.so.1", "libiomp5.so")]
+    return (inside or system or [None])[0]
+
+
+def library_path(folder: Path, cc: str, runtime: Path | None = None) -> Path:
+    """Where the kernels built from SOURCE with FLAGS by `cc` for this CPU and OpenMP runtime live."""
+    key = "\n".join([SOURCE.read_text(encoding="utf-8"), " ".join(FLAGS), cc, platform.machine(), cpu_flags(),
+                     str(runtime)])
     return folder / f"cpu-kernels-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 
 
-def build(path: Path, cc: str) -> str | None:
-    """Compile SOURCE into `path` (atomically); None on success, else why it failed."""
+def build(path: Path, cc: str, runtime: Path) -> str | None:
+    """Compile SOURCE into `path` (atomically), linked to the OpenMP `runtime` torch loaded, by its
+    path: a second OpenMP runtime in the process would keep its own threads, which then contend
+    with torch's on every parallel region. None on success, else why it failed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        built = Path(tmp) / "kernel.so"
+        built, objects = Path(tmp) / "kernels.so", Path(tmp) / "kernels.o"
+        steps = [[cc, *FLAGS, "-c", "-o", str(objects), str(SOURCE)],
+                 [cc, "-shared", "-o", str(built), str(objects), str(runtime), f"-Wl,-rpath,{runtime.parent}", "-lm"]]
         try:
-            subprocess.run([cc, *FLAGS, "-o", str(built), str(SOURCE), "-lm"], check=True, capture_output=True,
-                           timeout=COMPILE_TIMEOUT_S)
+            for step in steps:
+                subprocess.run(step, check=True, capture_output=True, timeout=COMPILE_TIMEOUT_S)
         except (OSError, subprocess.SubprocessError) as err:
             said = (getattr(err, "stderr", None) or b"").decode(errors="replace")
             first = next((line.strip() for line in said.splitlines() if "error" in line), "")
@@ -98,12 +125,15 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     cc = compiler()
     if cc is None:
         return None, "off: no C compiler (cc, gcc or $CC) to build it"
+    runtime = openmp_runtime()
+    if runtime is None:
+        return None, "off: torch has no OpenMP runtime loaded (libgomp or libiomp5) to share"
     try:
-        path = library_path(cache_dir(), cc)
+        path = library_path(cache_dir(), cc, runtime)
         failed = None
         if not path.exists():
             print(f"mtrain: building the CPU decoding kernels into {path} (once per machine)", file=sys.stderr)
-            failed = build(path, cc)
+            failed = build(path, cc, runtime)
     except RuntimeError:
         return None, "off: no home folder to keep it in (set XDG_CACHE_HOME)"
     except OSError as err:

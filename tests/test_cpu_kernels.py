@@ -4,6 +4,7 @@ transposed bfloat16 layout, and the switch and the fallbacks when it cannot be b
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -173,12 +174,47 @@ def test_a_failed_build_leaves_nothing_behind(monkeypatch, tmp_path):
         cpu_kernels.library.cache_clear()
 
 
-def test_library_name_follows_source_flags_and_cpu(tmp_path, monkeypatch):
-    first = cpu_kernels.library_path(tmp_path, "gcc")
-    assert first == cpu_kernels.library_path(tmp_path, "gcc")
-    assert first != cpu_kernels.library_path(tmp_path, "clang")
+def test_library_name_follows_source_flags_cpu_and_openmp_runtime(tmp_path, monkeypatch):
+    gomp = tmp_path / "libgomp.so.1"
+    first = cpu_kernels.library_path(tmp_path, "gcc", gomp)
+    assert first == cpu_kernels.library_path(tmp_path, "gcc", gomp)
+    assert first != cpu_kernels.library_path(tmp_path, "clang", gomp)
+    assert first != cpu_kernels.library_path(tmp_path, "gcc", tmp_path / "libiomp5.so")
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: "fpu sse2")
-    assert first != cpu_kernels.library_path(tmp_path, "gcc")
+    assert first != cpu_kernels.library_path(tmp_path, "gcc", gomp)
+
+
+def test_openmp_runtime_is_the_one_mapped_into_the_process(tmp_path):
+    maps = tmp_path / "maps"
+    """torch's own, where other packages bring theirs (sentencepiece and CTranslate2 bundle libgomp)."""
+    torch_dir = Path("/venv/torch")
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n"
+                    "7f01-7f02 r-xp 00000000 08:01 3 /venv/sentencepiece.libs/libgomp-6a29c32d.so.1.0.0\n"
+                    "7f02-7f03 r-xp 00000000 08:01 2 /venv/torch/lib/libgomp-a34b3233.so.1\n"
+                    "7f04-7f05 rw-p 00000000 00:00 0\n")
+    assert cpu_kernels.openmp_runtime(maps, torch_dir) == Path("/venv/torch/lib/libgomp-a34b3233.so.1")
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 3 /venv/sentencepiece.libs/libgomp-6a29c32d.so.1.0.0\n"
+                    "7f02-7f03 r-xp 00000000 08:01 2 /usr/lib/x86_64-linux-gnu/libgomp.so.1\n")
+    assert cpu_kernels.openmp_runtime(maps, torch_dir) == Path("/usr/lib/x86_64-linux-gnu/libgomp.so.1")
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n")
+    assert cpu_kernels.openmp_runtime(maps, torch_dir) is None
+    assert cpu_kernels.openmp_runtime(tmp_path / "missing", torch_dir) is None
+
+
+@needs_kernel
+def test_the_kernels_share_torchs_openmp_runtime():
+    """The kernels' library binds the GOMP_ calls to torch's runtime, not to a second copy."""
+    import shutil
+    import subprocess
+
+    if shutil.which("ldd") is None:
+        pytest.skip("no ldd to ask")
+
+    runtime = cpu_kernels.openmp_runtime()
+    assert runtime is not None and Path(torch.__file__).resolve().parent in runtime.parents
+    linked = subprocess.run(["ldd", str(cpu_kernels.library()._name)], capture_output=True, text=True).stdout
+    gomp = [line.split("=>")[1].split()[0] for line in linked.splitlines() if "gomp" in line or "iomp5" in line]
+    assert [Path(path).resolve() for path in gomp] == [runtime.resolve()]
 
 
 def check_topk(logits, k):
