@@ -177,7 +177,12 @@ def step_logits(model: Decoder, tokens: Tensor, memory: Any, src: Tensor, cache,
 
 
 def _float_unless_bfloat16(upcast):
-    return lambda block: block if block.dtype == torch.bfloat16 else upcast(block)
+    """upcast, except for bfloat16 blocks where mtrain.cpu_kernels loads (asked only when one comes:
+    float32 decoding never builds the kernels)."""
+    def cast(block: Tensor) -> Tensor:
+        return block if block.dtype == torch.bfloat16 and cpu_kernels.library() is not None else upcast(block)
+
+    return cast
 
 
 def projects_in_blocks(model: Any) -> bool:
@@ -211,8 +216,8 @@ def next_token_topk(model: Decoder, tokens: Tensor, memory: Tensor, src: Tensor,
     (step_logits); each row's result depends on that row alone. A bfloat16 model's blocks stay
     bfloat16 where mtrain.cpu_kernels' top-k kernel is loaded (topk_of_logits)."""
     tops, ids = [], []
-    fused = cpu_kernels.library() is not None and tokens.device.type == "cpu"
-    for first, logits in step_logits(model, tokens, memory, src, cache, blocks, bfloat16=fused):
+    on_cpu = tokens.device.type == "cpu"
+    for first, logits in step_logits(model, tokens, memory, src, cache, blocks, bfloat16=on_cpu):
         n = logits.size(0)
         top, top_ids = topk_of_logits(logits, forced[first : first + n], k, bans_in(bans, first, n))
         tops.append(top)
@@ -327,7 +332,7 @@ def _decode_token_by_token(model: Decoder, src: Tensor, rules: Constraints, pick
     ended = torch.zeros(B, dtype=torch.bool, device=src.device)  # per row: its sentence has its EOS
     tokens = src.new_full((B,), BOS_ID)
     blocks, sizes = Float32Blocks(), row_sizes(model, src.device)
-    fused = pick is None and cpu_kernels.library() is not None and src.device.type == "cpu"  # see best_rows
+    fused = pick is None and src.device.type == "cpu"  # bfloat16 blocks for best_rows
     for t in range(out.size(1)):
         forced, bans = rules.forced(active, t), rules.bans(out[active, :t])
         picked = []

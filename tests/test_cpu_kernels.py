@@ -323,3 +323,19 @@ def test_topk_without_normaliser_is_the_first_argmax():
     assert lse is None
     assert torch.equal(top, cpu_kernels.topk_logsumexp(logits, 3)[0]) and torch.equal(ids, cpu_kernels.topk_logsumexp(logits, 3)[1])
     assert torch.equal(best_rows(logits), argmax_rows(logits.float())) and best_rows(logits)[3] == 10
+
+
+def test_float32_decoding_never_builds_the_kernels(monkeypatch):
+    """A float32 model (decoding's default) decodes without asking for the kernels at all, so it
+    never waits for a build."""
+    def refuse():
+        raise AssertionError("float32 decoding asked for the C kernels")
+
+    monkeypatch.setattr(cpu_kernels, "library", refuse)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(d_model=32, d_ff=64, n_heads=2, n_encoder_layers=1, n_decoder_layers=1,
+                                    vocab_size=20, dropout=0.0)).eval()
+    src = torch.randint(4, 20, (3, 6))
+    max_len = torch.full((3,), 5)
+    assert len(greedy_search(model, src, max_len)) == 3
+    assert len(beam_search(model, src, 3, 0.6, max_len)) == 3
