@@ -78,10 +78,21 @@ static inline f32x16 exp16(f32x16 x) {
   return p;
 }
 
-static inline int any16(i32x16 m) {
-  uint64_t w[8];
-  memcpy(w, &m, sizeof w);
-  return (w[0] | w[1] | w[2] | w[3] | w[4] | w[5] | w[6] | w[7]) != 0;
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+/* Bit i set where v[i] > x: one compare into a mask register with AVX-512, else lane by lane. */
+static inline uint32_t above16(f32x16 v, float x) {
+#ifdef __AVX512F__
+  __m512 a;
+  memcpy(&a, &v, sizeof a);
+  return (uint32_t)_mm512_cmp_ps_mask(a, _mm512_set1_ps(x), _CMP_GT_OQ);
+#else
+  uint32_t bits = 0;
+  for (int i = 0; i < 16; i++) bits |= (uint32_t)(v[i] > x) << i;
+  return bits;
+#endif
 }
 
 /* ---- attention over a decoding cache ----------------------------------------------------------
@@ -255,12 +266,13 @@ static void topk_row(const uint16_t *x, int64_t V, int k, float *top, int64_t *i
     f32x16 v = load_bf16x16(x + s);
     high = select16(v > high, v, high);
     if (lse) sum += exp16(v);
-    if (filled < k || any16(v > kth)) {
-      for (int i = 0; i < 16; i++) {
-        if (v[i] > kth || (filled < k && v[i] > -INFINITY)) {
-          insert(v[i], s + i, k, tv, ti, &filled);
-          if (filled == k) kth = tv[k - 1];
-        }
+    /* Until k values are held every finite one is taken (kth stays -inf, so "above" means finite);
+       after that only a block with a value above the k-th best is searched, lane by set lane. */
+    for (uint32_t bits = above16(v, kth); bits; bits &= bits - 1) {
+      int i = __builtin_ctz(bits);
+      if (v[i] > kth) {
+        insert(v[i], s + i, k, tv, ti, &filled);
+        if (filled == k) kth = tv[k - 1];
       }
     }
   }
