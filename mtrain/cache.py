@@ -10,9 +10,9 @@ rewrites a small table instead of copying every layer's K/V. The attention modul
 layout: they hand their queries, keys and values to the layer cache and attend with what it
 returns, or take the cache's own attention (`LayerCache.attention`) where it has one.
 
-For a bfloat16 model on a CPU where mtrain.cpu_kernels's kernel loads, every layer keeps its keys
-and values in bfloat16 and its keys transposed, (rows, H, d_head, slots), the layout that kernel
-reads; the views handed to the attention modules are the usual (rows, H, slots, d_head).
+For a bfloat16 model on a CPU where mtrain.cpu_kernels loads, every layer keeps its keys and values
+in bfloat16 and its keys in tiles of 16 slots, (rows, H, slots / 16, d_head, 16), the layout that
+kernel reads; the modules then hand what the cache returned back to LayerCache.attention.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ class LayerCache:
         # A row reorder of self_k/self_v not applied yet: the next append applies it while it
         # copies into a new buffer (rows only change when search drops finished sentences).
         self.order: Tensor | None = None
-        # Whether the keys are kept for mtrain.cpu_kernels: bfloat16, transposed (rows, H, d_head,
-        # slots) with the slots padded to a multiple of 16; decided by the first keys stored.
-        self.transposed: bool | None = None
+        # Whether the keys are kept for mtrain.cpu_kernels: bfloat16, in tiles (rows, H, slots / 16,
+        # d_head, 16); decided by the first keys stored.
+        self.tiled: bool | None = None
         self.cross_len = 0
 
     def fold(self, x: Tensor) -> Tensor:
@@ -58,20 +58,20 @@ class LayerCache:
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write (rows, H, t, d_head) k and v after the filled positions (applying a pending row
-        reorder first); return (rows, H, positions so far, d_head) views of every position so far."""
-        if self.transposed is None:
-            self.transposed = cpu_kernels.wanted(k)
+        reorder first); return the keys and values of every position so far: (rows, H, positions,
+        d_head) views, or with tiles the tiles themselves and the values' view."""
+        if self.tiled is None:
+            self.tiled = cpu_kernels.wanted(k)
         start, end = self.filled, self.filled + k.size(2)
         grow = self.self_k is None or self.capacity() < end
         if grow or self.order is not None:
             capacity = max(32, 2 * end, self.reserved) if grow else self.capacity()
-            self.self_k = _regrow(self.self_k, k, capacity, start, self.order, self.transposed)
-            self.self_v = _regrow(self.self_v, v, capacity, start, self.order, False, self.transposed)
+            self.self_k = _regrow(self.self_k, k, capacity, start, self.order, self.tiled)
+            self.self_v = _regrow(self.self_v, v, capacity, start, self.order, False, self.tiled)
             self.order = None
-        if self.transposed:  # zeros after the new keys: attention reads whole blocks of 16 slots
+        if self.tiled:  # zeros after the new keys: attention reads whole blocks of 16 slots
             if not cpu_kernels.append_keys(k, self.self_k, start):
-                self.self_k[..., start:end] = k.transpose(2, 3)
-                self.self_k[..., end:_round16(end)] = 0
+                raise RuntimeError("the key tiles cannot take these keys")  # append_keys checks what _regrow made
         else:
             self.self_k[:, :, start:end] = k
         self.self_v[:, :, start:end] = v
@@ -83,28 +83,35 @@ class LayerCache:
         return self.self_v.size(2)
 
     def positions(self, end: int) -> tuple[Tensor, Tensor]:
-        """(rows, H, end, d_head) views of the self-attention keys and values of positions 0..end-1."""
-        keys = self.self_k[..., :end].transpose(2, 3) if self.transposed else self.self_k[:, :, :end]
+        """The self-attention keys and values of positions 0..end-1, as append returns them: the key
+        tiles themselves (attention reads the first `end` slots, as many as the values have)."""
+        keys = self.self_k if self.tiled else self.self_k[:, :, :end]
         return keys, self.self_v[:, :, :end]
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor | None:
-        """mtrain.cpu_kernels's attention of q over the keys k and values v this cache returned
-        (views of its transposed layout), or None: the caller attends by other means."""
-        if not self.transposed or is_causal:
+        """With key tiles, the attention of q over the keys k and values v this cache returned: by
+        mtrain.cpu_kernels, or where it declines (more than 8 queries a row, a causal prefix) by
+        mtrain.model.attend over the keys copied out of the tiles. None otherwise: the caller attends
+        over the views it got."""
+        if not self.tiled:
             return None
-        return cpu_kernels.attend(q, k.transpose(2, 3), v, mask)
+        y = None if is_causal else cpu_kernels.attend(q, k, v, mask)
+        if y is None:
+            from mtrain.model import attend  # the model imports this module
+
+            y = attend(q, cpu_kernels.untiled(k, v.size(2)), v, mask, 0.0, is_causal)
+        return y
 
     def cross_attention(self, q: Tensor, memory: Tensor,
                         memory_kv: Callable[[Tensor], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
         """(queries, keys, values) over the source; memory_kv runs on the first call only."""
         if self.cross_k is None:
             k, v = memory_kv(memory)
-            if self.transposed is None:
-                self.transposed = cpu_kernels.wanted(k)
+            if self.tiled is None:
+                self.tiled = cpu_kernels.wanted(k)
             self.cross_len = k.size(2)
-            self.cross_k, self.cross_v = (_transposed(k), stored(v, k.dtype)) if self.transposed else map(stored, (k, v))
-        keys = self.cross_k[..., : self.cross_len].transpose(2, 3) if self.transposed else self.cross_k
-        return self.fold(q), keys, self.cross_v
+            self.cross_k, self.cross_v = (cpu_kernels.tiled(k), stored(v, k.dtype)) if self.tiled else map(stored, (k, v))
+        return self.fold(q), self.cross_k, self.cross_v
 
     def reorder(self, index: Tensor, source: Tensor | None) -> None:
         """Target row i becomes old row index[i]; source rows follow `source` when given."""
@@ -161,28 +168,23 @@ def _round16(n: int) -> int:
     return -(-n // 16) * 16
 
 
-def _transposed(k: Tensor) -> Tensor:
-    """(B, H, S, d_head) keys -> (B, H, d_head, S rounded up to 16), zeros after S, as
-    mtrain.cpu_kernels reads them."""
-    out = k.new_zeros(k.shape[0], k.shape[1], k.shape[3], _round16(k.shape[2]))
-    out[..., : k.shape[2]] = k.transpose(2, 3)
-    return out
-
-
 def _regrow(old: Tensor | None, like: Tensor, capacity: int, filled: int, order: Tensor | None,
-            transposed: bool, native: bool = False) -> Tensor:
-    """A (rows, H, capacity, d_head) buffer, or (rows, H, d_head, capacity) when transposed, holding
-    the first `filled` positions of old, its rows in `order` when given (index_select writes straight
-    into the new buffer). Buffers for mtrain.cpu_kernels (transposed or native) keep like's dtype
-    and a capacity that is a multiple of 16; the others are in stored_dtype."""
+            tiled: bool, native: bool = False) -> Tensor:
+    """A (rows, H, capacity, d_head) buffer, or key tiles (rows, H, capacity / 16, d_head, 16) when
+    tiled, holding the first `filled` positions of old, its rows in `order` when given
+    (index_select writes straight into the new buffer). Buffers for mtrain.cpu_kernels (tiled
+    or native) keep like's dtype and a capacity that is a multiple of 16; the others are in
+    stored_dtype."""
     rows, heads, _, width = like.shape
-    if transposed or native:
+    if tiled or native:
         capacity = _round16(capacity)
-    if transposed:
-        out = like.new_empty(rows, heads, width, capacity)
-        out[..., filled:_round16(filled)] = 0  # finite, for the kernel's blocks of 16 slots
-        old_part = None if old is None else old[..., :filled]
-        new_part = out[..., :filled]
+    if tiled:  # whole tiles: the filled ones, the partly filled one with its finite rest
+        out = like.new_empty(rows, heads, capacity // 16, width, 16)
+        tiles = _round16(filled) // 16
+        if old is None or not filled:
+            out[:, :, :1] = 0
+            return out
+        old_part, new_part = old[:, :, :tiles], out[:, :, :tiles]
     else:
         out = like.new_empty(rows, heads, capacity, width, dtype=like.dtype if native else stored_dtype(like))
         old_part = None if old is None else old[:, :, :filled]
@@ -250,10 +252,10 @@ class KVCache:
         out.src_mask = self.src_mask
         for old, new in zip(self.layers, out.layers):
             new.cross_k, new.cross_v = old.cross_k, old.cross_v
-            # (sources, H, 1, d_head) broadcast to step 0's slots of all G beams
-            new.transposed = old.transposed
-            new.cross_len = old.cross_len
-            k, v = old.positions(1)
+            new.tiled, new.cross_len = old.tiled, old.cross_len
+            # step 0's (sources, H, 1, d_head) keys and values, broadcast to the slots of all G beams
+            k = old.self_k[:, :, :1, :, 0] if old.tiled else old.self_k[:, :, :1]
+            v = old.self_v[:, :, :1]
             new.append(k.expand(-1, -1, group, -1), v.expand(-1, -1, group, -1))
         out.record_step(old.self_v.shape[0] * group, old.self_v.device)  # each beam its own step-0 ancestor
         out.length = 1

@@ -98,17 +98,19 @@ static inline uint32_t above16(f32x16 v, float x) {
 /* ---- attention over a decoding cache ----------------------------------------------------------
 
    q    (B, H, G, D)  bfloat16 queries, any strides
-   kt   (B, H, D, N)  bfloat16 keys, transposed (last stride 1), readable and finite up to N
-                      rounded up to 16
+   kt   (B, H, T, D, 16) bfloat16 keys in tiles of 16 slots, each tile transposed: slot s, dim d at
+                      [s / 16][d][s % 16]; a tile is 2 D contiguous bytes (strides of b, h and the
+                      tile in ks); finite up to N rounded up to 16
    v    (B, H, N, D)  bfloat16 values (last stride 1)
    mask (B, G or 1, N) uint8, 1 = may attend (last stride 1), or NULL: every key
    out  (B, H, G, D)  bfloat16 result, any strides; a query that may attend to no key gets zeros
 
    Per (row, head): the scores of 16 keys at a time are G vector accumulators over D multiply-adds
-   (the transposed keys make each step one contiguous load, no horizontal sums); the softmax runs
+   (a transposed tile makes each step one contiguous load, no horizontal sums, and each block of
+   16 keys one contiguous read); the softmax runs
    in float32 over the slots, masked ones weighted 0; the values are summed row by row. The result
    is rounded to bfloat16 once, as a float32 attention cast back would be. Strides are in elements:
-   qs[4], ks[3] (b, h, d), vs[3] (b, h, n), ms[2] (b, g: 0 for one mask row), os[4]. */
+   qs[4], ks[3] (b, h, tile), vs[3] (b, h, n), ms[2] (b, g: 0 for one mask row), os[4]. */
 
 #define MAX_QUERIES 8
 #define MAX_KEYS 4096
@@ -135,7 +137,7 @@ static inline __attribute__((always_inline)) void one_head(
       for (int c = 0; c < P; c++) acc[g][c] = splat(0.0f);
     for (int d = 0; d < D; d += P) {
       for (int c = 0; c < P; c++) {
-        f32x16 k = load_bf16x16(keys + (d + c) * ks[2] + s);
+        f32x16 k = load_bf16x16(keys + (s / 16) * ks[2] + (d + c) * 16);
         for (int g = 0; g < G; g++) acc[g][c] += query[g][d + c] * k;
       }
     }
@@ -326,8 +328,8 @@ int mtrain_topk_logsumexp(const uint16_t *x, int64_t rows, int64_t V, int64_t st
 
 /* ---- writing keys into the transposed cache ---------------------------------------------------
 
-   k (B, H, G, D) bfloat16, any strides (ks[4]) -> columns start..start+G-1 of kt (B, H, D, cap)
-   (strides ts[3] for b, h, d; last stride 1), and zeros in the columns after them up to the next
+   k (B, H, G, D) bfloat16, any strides (ks[4]) -> slots start..start+G-1 of the tiles kt
+   (B, H, T, D, 16) (strides ts[3] for b, h, tile), and zeros in the slots after them up to the next
    multiple of 16, which attention reads as part of its last block. PyTorch's strided copy into the
    transposed layout and the separate fill took about 0.7 ms a layer at beam 5's shapes. */
 int mtrain_append_keys(const uint16_t *k, const int64_t *ks, uint16_t *kt, const int64_t *ts,
@@ -338,10 +340,13 @@ int mtrain_append_keys(const uint16_t *k, const int64_t *ks, uint16_t *kt, const
     const int64_t b = i / H, h = i % H;
     const uint16_t *src = k + b * ks[0] + h * ks[1];
     uint16_t *dst = kt + b * ts[0] + h * ts[1];
-    for (int64_t d = 0; d < D; d++) {
-      uint16_t *column = dst + d * ts[2];
-      for (int64_t g = 0; g < G; g++) column[start + g] = src[g * ks[2] + d * ks[3]];
-      for (int64_t s = end; s < padded; s++) column[s] = 0;
+    for (int64_t g = 0; g < G; g++) {
+      uint16_t *tile = dst + ((start + g) / 16) * ts[2] + (start + g) % 16;
+      for (int64_t d = 0; d < D; d++) tile[d * 16] = src[g * ks[2] + d * ks[3]];
+    }
+    for (int64_t s = end; s < padded; s++) {
+      uint16_t *tile = dst + (s / 16) * ts[2] + s % 16;
+      for (int64_t d = 0; d < D; d++) tile[d * 16] = 0;
     }
   }
   return 0;

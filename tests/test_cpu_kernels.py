@@ -1,5 +1,5 @@
 """mtrain.cpu_kernels: the C kernel against attention in float64, its refusals, the cache's
-transposed bfloat16 layout, and the switch and the fallbacks when it cannot be built."""
+bfloat16 key tiles, and the switch and the fallbacks when it cannot be built."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ needs_kernel = pytest.mark.skipif(cpu_kernels.library() is None, reason=f"kernel
 
 def reference(q, kt, v, mask):
     """softmax(q k^T / sqrt(d)) v in float64 from the same bfloat16 inputs; zeros where no key is allowed."""
-    q, k, v = q.double(), kt.transpose(-1, -2).double(), v.double()
+    q, k, v = q.double(), cpu_kernels.untiled(kt, v.size(2)).double(), v.double()
     scores = q @ k.transpose(-1, -2) * q.size(-1) ** -0.5
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
@@ -30,15 +30,14 @@ def reference(q, kt, v, mask):
 
 
 def inputs(B, H, G, N, D, capacity=None, seed=0):
-    """q (B, H, G, D); kt a (B, H, D, N) view of a buffer of `capacity` columns (a multiple of 16,
-    zeros after N), v (B, H, N, D) a view of a longer buffer: the cache's layout."""
+    """q (B, H, G, D); kt key tiles (B, H, capacity / 16, D, 16) holding N keys (capacity a multiple of
+    16, zeros after N), v (B, H, N, D) a view of a longer buffer: the cache's layout."""
     gen = torch.Generator().manual_seed(seed)
     capacity = capacity or -(-N // 16) * 16
     q = torch.randn(B, H, G, D, generator=gen).bfloat16()
-    kt_buffer = torch.zeros(B, H, D, capacity, dtype=torch.bfloat16)
-    kt_buffer[..., :N] = torch.randn(B, H, D, N, generator=gen).bfloat16()
+    kt = cpu_kernels.tiled(torch.randn(B, H, N, D, generator=gen).bfloat16(), capacity)
     v = torch.randn(B, H, capacity, D, generator=gen).bfloat16()[:, :, :N]
-    return q, kt_buffer[..., :N], v
+    return q, kt, v
 
 
 @needs_kernel
@@ -90,7 +89,8 @@ def test_kernel_declines_what_it_was_not_built_for():
     q, kt, v = inputs(2, 2, 1, 20, 64)
     assert cpu_kernels.attend(q.float(), kt, v, None) is None  # float32 queries
     assert cpu_kernels.attend(q, kt, v, torch.ones(20, 20, dtype=torch.bool)) is None  # not (B, 1, G, N)
-    assert cpu_kernels.attend(q, kt.contiguous().transpose(-1, -2).contiguous().transpose(-1, -2), v, None) is None
+    assert cpu_kernels.attend(q, kt.transpose(3, 4).contiguous(), v, None) is None  # not tiles of 16
+    assert cpu_kernels.attend(q, kt[:, :, :1], v, None) is None  # too few tiles for 20 keys
 
 
 @pytest.fixture
@@ -102,8 +102,8 @@ def bf16_model():
 
 
 @needs_kernel
-def test_bfloat16_cache_is_transposed_and_decodes_as_without_it(bf16_model):
-    """Step by step with the cache (the kernel, transposed bfloat16 keys) gives the logits of the
+def test_bfloat16_cache_is_tiled_and_decodes_as_without_it(bf16_model):
+    """Step by step with the cache (the kernel, bfloat16 key tiles) gives the logits of the
     full prefix decoded without a cache (PyTorch's attention), to bfloat16 rounding."""
     gen = torch.Generator().manual_seed(2)
     src = torch.randint(4, 40, (3, 9), generator=gen)
@@ -114,14 +114,15 @@ def test_bfloat16_cache_is_transposed_and_decodes_as_without_it(bf16_model):
         full = bf16_model.decode(tgt, memory, src).float()
         cache = bf16_model.new_cache()
         steps = [bf16_model.decode(tgt[:, t : t + 1], memory, src, cache).float() for t in range(tgt.size(1))]
-    assert all(layer.transposed for layer in cache.layers)
-    assert cache.layers[0].self_k.dtype == torch.bfloat16 and cache.layers[0].self_k.size(2) == 32  # d_head
+    assert all(layer.tiled for layer in cache.layers)
+    tiles = cache.layers[0].self_k
+    assert tiles.dtype == torch.bfloat16 and tiles.shape[3:] == (32, 16)  # d_head, 16 slots a tile
     assert torch.allclose(torch.cat(steps, dim=1), full, atol=0.1, rtol=0.05)
 
 
 @needs_kernel
 def test_searches_agree_with_and_without_the_kernel(bf16_model, monkeypatch):
-    """Greedy and beam search over the transposed cache and over the float32 one reach the same
+    """Greedy and beam search over the tiled cache and over the float32 one reach the same
     outputs for nearly every sentence (bfloat16 rounding may settle a near-tie otherwise)."""
     gen = torch.Generator().manual_seed(3)
     src = torch.randint(4, 40, (12, 10), generator=gen)
@@ -141,7 +142,7 @@ def test_float32_models_keep_the_float32_layout():
     cache = model.new_cache()
     with torch.inference_mode():
         model.decode(torch.full((2, 1), 1), model.encode(src), src, cache)
-    assert cache.layers[0].transposed is False and cache.layers[0].self_k.size(2) >= 1
+    assert cache.layers[0].tiled is False and cache.layers[0].self_k.size(2) >= 1
     assert cache.layers[0].self_k.dtype == torch.float32
 
 
@@ -296,18 +297,29 @@ def test_beam_search_on_bfloat16_blocks_equals_the_float32_logits_path(bf16_mode
 
 
 @needs_kernel
-def test_append_keys_writes_columns_and_zeros_the_rest_of_their_block():
-    """Keys from a strided view (beam search's folded rows) land transposed in their columns; the
-    columns after them up to the next multiple of 16 become zeros; nothing else changes."""
+def test_append_keys_writes_slots_and_zeros_the_rest_of_their_block():
+    """Keys from a strided view (beam search's folded rows) land in their slots of the tiles, across
+    a tile's edge; the slots after them up to the next multiple of 16 become zeros; nothing else
+    changes."""
     B, H, G, D = 3, 2, 5, 64
     qkv = torch.randn(B * G, 1, 3 * H * D).bfloat16()
     k = qkv.view(B * G, 1, 3, H, D).unbind(2)[1].transpose(1, 2).unflatten(0, (B, G)).transpose(1, 2).flatten(2, 3)
-    buffer = torch.full((B, H, D, 48), 7.0, dtype=torch.bfloat16)
-    assert cpu_kernels.append_keys(k, buffer, 13)
-    assert torch.equal(buffer[..., 13:18], k.transpose(2, 3))
-    assert (buffer[..., 18:32] == 0).all() and (buffer[..., :13] == 7).all() and (buffer[..., 32:] == 7).all()
-    assert not cpu_kernels.append_keys(k, buffer, 44)  # its block (to 64) would pass the buffer's end
-    assert not cpu_kernels.append_keys(k.float(), buffer, 0)
+    tiles = torch.full((B, H, 3, D, 16), 7.0, dtype=torch.bfloat16)
+    assert cpu_kernels.append_keys(k, tiles, 13)
+    slots = cpu_kernels.untiled(tiles, 48)
+    assert torch.equal(slots[:, :, 13:18], k)
+    assert (slots[:, :, 18:32] == 0).all() and (slots[:, :, :13] == 7).all() and (slots[:, :, 32:] == 7).all()
+    assert not cpu_kernels.append_keys(k, tiles, 44)  # its block (to 64) would pass the tiles' end
+    assert not cpu_kernels.append_keys(k.float(), tiles, 0)
+
+
+def test_tiles_round_trip():
+    keys = torch.randn(2, 3, 21, 32).bfloat16()
+    tiles = cpu_kernels.tiled(keys)
+    assert tiles.shape == (2, 3, 2, 32, 16) and tiles.is_contiguous()
+    assert torch.equal(cpu_kernels.untiled(tiles, 21), keys)
+    assert (cpu_kernels.untiled(tiles, 32)[:, :, 21:] == 0).all()
+    assert torch.equal(tiles[0, 1, 1, 5, 3], keys[0, 1, 19, 5])  # slot 19 = tile 1, lane 3
 
 
 @needs_kernel
@@ -339,3 +351,26 @@ def test_float32_decoding_never_builds_the_kernels(monkeypatch):
     max_len = torch.full((3,), 5)
     assert len(greedy_search(model, src, max_len)) == 3
     assert len(beam_search(model, src, 3, 0.6, max_len)) == 3
+
+
+@needs_kernel
+def test_where_the_kernel_declines_the_tiles_are_attended_by_torch(bf16_model, monkeypatch):
+    """A prefix fed at once (a causal mask) and beam 9 (more queries a row than the kernel takes)
+    attend over the keys copied out of the tiles: the uncached logits, and beam 9's outputs with
+    and without the kernels."""
+    gen = torch.Generator().manual_seed(5)
+    src = torch.randint(4, 40, (4, 8), generator=gen)
+    tgt = torch.randint(4, 40, (4, 6), generator=gen)
+    with torch.inference_mode():
+        memory = bf16_model.encode(src)
+        full = bf16_model.decode(tgt, memory, src).float()
+        cache = bf16_model.new_cache()
+        prefix = bf16_model.decode(tgt[:, :3], memory, src, cache).float()
+        rest = [bf16_model.decode(tgt[:, t : t + 1], memory, src, cache).float() for t in range(3, 6)]
+    assert cache.layers[0].tiled
+    assert torch.allclose(torch.cat([prefix, *rest], dim=1), full, atol=0.1, rtol=0.05)
+    max_len = torch.full((4,), 8)
+    with_kernel = beam_search(bf16_model, src, 9, 0.6, max_len)
+    monkeypatch.setattr(cpu_kernels, "wanted", lambda x: False)
+    without = beam_search(bf16_model, src, 9, 0.6, max_len)
+    assert sum(a[0][0] == b[0][0] for a, b in zip(with_kernel, without)) >= 3
