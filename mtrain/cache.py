@@ -44,7 +44,6 @@ class LayerCache:
         # Whether the keys are kept for mtrain.cpu_kernels: bfloat16, in tiles (rows, H, slots / 16,
         # d_head, 16); decided by the first keys stored.
         self.tiled: bool | None = None
-        self.cross_len = 0
 
     def fold(self, x: Tensor) -> Tensor:
         """(B, H, t, d_head) per-row heads -> the layout attention runs in (here: unchanged)."""
@@ -109,7 +108,6 @@ class LayerCache:
             k, v = memory_kv(memory)
             if self.tiled is None:
                 self.tiled = cpu_kernels.wanted(k)
-            self.cross_len = k.size(2)
             self.cross_k, self.cross_v = (cpu_kernels.tiled(k), stored(v, k.dtype)) if self.tiled else map(stored, (k, v))
         return self.fold(q), self.cross_k, self.cross_v
 
@@ -252,7 +250,7 @@ class KVCache:
         out.src_mask = self.src_mask
         for old, new in zip(self.layers, out.layers):
             new.cross_k, new.cross_v = old.cross_k, old.cross_v
-            new.tiled, new.cross_len = old.tiled, old.cross_len
+            new.tiled = old.tiled
             # step 0's (sources, H, 1, d_head) keys and values, broadcast to the slots of all G beams
             k = old.self_k[:, :, :1, :, 0] if old.tiled else old.self_k[:, :, :1]
             v = old.self_v[:, :, :1]
