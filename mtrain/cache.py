@@ -65,8 +65,11 @@ class LayerCache:
         grow = self.self_k is None or self.capacity() < end
         if grow or self.order is not None:
             capacity = max(32, 2 * end, self.reserved) if grow else self.capacity()
-            self.self_k = _regrow(self.self_k, k, capacity, start, self.order, self.tiled)
-            self.self_v = _regrow(self.self_v, v, capacity, start, self.order, False, self.tiled)
+            # Tiles hold whole blocks of 16 slots; the values keep the keys' capacity. Both stay in
+            # the model's dtype for the kernels, elsewhere in stored_dtype.
+            capacity, dtype = (_round16(capacity), k.dtype) if self.tiled else (capacity, stored_dtype(k))
+            self.self_k = _regrow(self.self_k, k, capacity, start, self.order, dtype, self.tiled)
+            self.self_v = _regrow(self.self_v, v, capacity, start, self.order, dtype)
             self.order = None
         if self.tiled:  # zeros after the new keys: attention reads whole blocks of 16 slots
             if not cpu_kernels.append_keys(k, self.self_k, start):
@@ -75,17 +78,12 @@ class LayerCache:
             self.self_k[:, :, start:end] = k
         self.self_v[:, :, start:end] = v
         self.filled = end
-        return self.positions(end)
+        # Tiles go as they are: attention reads as many of their slots as the values have.
+        return self.self_k if self.tiled else self.self_k[:, :, :end], self.self_v[:, :, :end]
 
     def capacity(self) -> int:
         """The positions the self-attention buffers hold."""
         return self.self_v.size(2)
-
-    def positions(self, end: int) -> tuple[Tensor, Tensor]:
-        """The self-attention keys and values of positions 0..end-1, as append returns them: the key
-        tiles themselves (attention reads the first `end` slots, as many as the values have)."""
-        keys = self.self_k if self.tiled else self.self_k[:, :, :end]
-        return keys, self.self_v[:, :, :end]
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor | None:
         """With key tiles, the attention of q over the keys k and values v this cache returned: by
@@ -167,24 +165,18 @@ def _round16(n: int) -> int:
 
 
 def _regrow(old: Tensor | None, like: Tensor, capacity: int, filled: int, order: Tensor | None,
-            tiled: bool, native: bool = False) -> Tensor:
-    """A (rows, H, capacity, d_head) buffer, or key tiles (rows, H, capacity / 16, d_head, 16) when
-    tiled, holding the first `filled` positions of old, its rows in `order` when given
-    (index_select writes straight into the new buffer). Buffers for mtrain.cpu_kernels (tiled
-    or native) keep like's dtype and a capacity that is a multiple of 16; the others are in
-    stored_dtype."""
+            dtype: torch.dtype, tiled: bool = False) -> Tensor:
+    """A (rows, H, capacity, d_head) buffer in dtype, or key tiles (rows, H, capacity / 16, d_head,
+    16) when tiled (capacity a multiple of 16), holding the first `filled` positions of old, its rows
+    in `order` when given (index_select writes straight into the new buffer). Tiles are copied
+    whole, the partly filled last one with the zeros append_keys wrote after its keys."""
     rows, heads, _, width = like.shape
-    if tiled or native:
-        capacity = _round16(capacity)
-    if tiled:  # whole tiles: the filled ones, the partly filled one with its finite rest
-        out = like.new_empty(rows, heads, capacity // 16, width, 16)
-        tiles = _round16(filled) // 16
-        if old is None or not filled:
-            out[:, :, :1] = 0
-            return out
-        old_part, new_part = old[:, :, :tiles], out[:, :, :tiles]
+    if tiled:
+        out = like.new_empty(rows, heads, capacity // 16, width, 16, dtype=dtype)
+        old_part = None if old is None else old[:, :, : _round16(filled) // 16]
+        new_part = out[:, :, : _round16(filled) // 16]
     else:
-        out = like.new_empty(rows, heads, capacity, width, dtype=like.dtype if native else stored_dtype(like))
+        out = like.new_empty(rows, heads, capacity, width, dtype=dtype)
         old_part = None if old is None else old[:, :, :filled]
         new_part = out[:, :, :filled]
     if old_part is not None and filled:

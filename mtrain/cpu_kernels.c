@@ -1,9 +1,10 @@
-/* Two decoding kernels for a bfloat16 model on a CPU, built and called by mtrain.cpu_kernels
-   (which says why they exist and what they were measured against).
+/* Decoding kernels for a bfloat16 model on a CPU, built and called by mtrain.cpu_kernels (which
+   says why they exist and what they were measured against).
 
    mtrain_cache_attention: attention of a few queries per (row, head) over a decoding cache.
    mtrain_topk_logsumexp: per row of bfloat16 logits, the k largest values with their columns and
    the log of the sum of the exponentials of all of them, in one pass.
+   mtrain_append_keys: new keys written into the cache's tiles.
 
    Built without -ffast-math on purpose: that flag links code that sets flush-to-zero for the whole
    process at load time. exp16 below is the one vector exponential both kernels use. */
@@ -287,7 +288,7 @@ static void topk_row(const uint16_t *x, int64_t V, int k, float *top, int64_t *i
     float val = bf16_to_float(x[s]);
     best = val > best ? val : best;
     if (lse) total += expf(val);
-    if (val > kth || (filled < k && val > -INFINITY)) {
+    if (val > kth) { /* as above: kth is -inf until k values are held */
       insert(val, s, k, tv, ti, &filled);
       if (filled == k) kth = tv[k - 1];
     }
@@ -326,7 +327,7 @@ int mtrain_topk_logsumexp(const uint16_t *x, int64_t rows, int64_t V, int64_t st
   return 0;
 }
 
-/* ---- writing keys into the transposed cache ---------------------------------------------------
+/* ---- writing keys into the cache's tiles ---------------------------------------------------
 
    k (B, H, G, D) bfloat16, any strides (ks[4]) -> slots start..start+G-1 of the tiles kt
    (B, H, T, D, 16) (strides ts[3] for b, h, tile), and zeros in the slots after them up to the next

@@ -47,9 +47,14 @@ def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
     return None
 
 
+def switched_off(setting: str | None) -> bool:
+    """Whether an environment switch reads 0, off, false or no (any case, spaces around)."""
+    return (setting or "").strip().lower() in ("0", "off", "false", "no")
+
+
 def reason_to_skip(vendor: str | None, setting: str | None, machine: str, system: str) -> str | None:
     """Why the stub is not wanted here, or None when it is."""
-    if (setting or "").strip().lower() in ("0", "off", "false", "no"):
+    if switched_off(setting):
         return f"off: {ENV}={setting}"
     if system != "Linux" or machine not in ("x86_64", "AMD64"):
         return f"off: {system} {machine} (the stub is for Linux on x86-64)"
