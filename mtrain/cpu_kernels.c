@@ -21,13 +21,41 @@ typedef uint16_t u16x16 __attribute__((vector_size(32)));
 
 static inline f32x16 splat(float x) { return (f32x16){0} + x; }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+/* 16 bfloat16 values -> float32: widened and shifted into the high half (two instructions with
+   AVX-512; the generic conversion compiles to six). */
 static inline f32x16 load_bf16x16(const uint16_t *p) {
+#ifdef __AVX512F__
+  __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+  f32x16 f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+#else
   u16x16 h;
   memcpy(&h, p, sizeof h);
   u32x16 u = __builtin_convertvector(h, u32x16) << 16;
   f32x16 f;
   memcpy(&f, &u, sizeof f);
   return f;
+#endif
+}
+
+/* 16 float32 values -> bfloat16, rounded to nearest even as float_to_bf16 below rounds one. */
+static inline void store_bf16x16(uint16_t *p, f32x16 f) {
+  u32x16 u;
+  memcpy(&u, &f, sizeof u);
+  u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16;
+#ifdef __AVX512F__
+  __m512i w;
+  memcpy(&w, &u, sizeof w);
+  _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(w));
+#else
+  u16x16 h = __builtin_convertvector(u, u16x16);
+  memcpy(p, &h, sizeof h);
+#endif
 }
 
 static inline float bf16_to_float(uint16_t x) {
@@ -79,10 +107,6 @@ static inline f32x16 exp16(f32x16 x) {
   return p;
 }
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-
 /* Bit i set where v[i] > x: one compare into a mask register with AVX-512, else lane by lane. */
 static inline uint32_t above16(f32x16 v, float x) {
 #ifdef __AVX512F__
@@ -127,7 +151,13 @@ static inline __attribute__((always_inline)) void one_head(
   int32_t keep[MAX_KEYS] __attribute__((aligned(64)));
   for (int g = 0; g < G; g++) {
     const uint16_t *qp = q + row * qs[0] + head * qs[1] + g * qs[2];
-    for (int d = 0; d < D; d++) query[g][d] = bf16_to_float(qp[d * qs[3]]) * scale;
+    if (qs[3] == 1)
+      for (int d = 0; d < D; d += 16) {
+        f32x16 x = load_bf16x16(qp + d) * scale;
+        memcpy(&query[g][d], &x, sizeof x);
+      }
+    else
+      for (int d = 0; d < D; d++) query[g][d] = bf16_to_float(qp[d * qs[3]]) * scale;
   }
   const uint16_t *keys = kt + row * ks[0] + head * ks[1];
   /* Few queries leave the multiply-adds one dependent chain each: split over d into P chains. */
@@ -179,8 +209,13 @@ static inline __attribute__((always_inline)) void one_head(
     }
     float total = 0.0f;
     for (int i = 0; i < 16; i++) total += sum[i];
-    float inv = 1.0f / total;
-    for (int64_t s = 0; s < padded; s++) w[s] *= inv;
+    const float inv = 1.0f / total;
+    for (int64_t s = 0; s < padded; s += 16) {
+      f32x16 x;
+      memcpy(&x, w + s, sizeof x);
+      x *= inv;
+      memcpy(w + s, &x, sizeof x);
+    }
   }
   f32x16 acc[MAX_QUERIES][128 / 16];
   for (int g = 0; g < G; g++)
@@ -195,11 +230,28 @@ static inline __attribute__((always_inline)) void one_head(
     }
   }
   for (int g = 0; g < G; g++) {
+    uint16_t *op = out + row * os[0] + head * os[1] + g * os[2];
+    if (os[3] == 1) {
+      for (int j = 0; j < D / 16; j++) store_bf16x16(op + 16 * j, acc[g][j]);
+      continue;
+    }
     float result[128];
     memcpy(result, acc[g], sizeof(float) * D);
-    uint16_t *op = out + row * os[0] + head * os[1] + g * os[2];
     for (int d = 0; d < D; d++) op[d * os[3]] = float_to_bf16(result[d]);
   }
+}
+
+/* The next (row, head)'s first keys and values, requested while this one is computed: each head's
+   cache lies kilobytes from the last, where the hardware prefetcher does not follow, and at greedy
+   search's shapes the first read of each head's keys stalled on memory for a third of the kernel's
+   time. Its first 16 slots are enough: a longer cache is read in order, which the hardware follows. */
+static inline void prefetch_head(int64_t row, int64_t head, const uint16_t *kt, const int64_t *ks,
+                                 const uint16_t *v, const int64_t *vs, int64_t N, int64_t D) {
+  const char *keys = (const char *)(kt + row * ks[0] + head * ks[1]);
+  for (int64_t byte = 0; byte < D * 16 * 2; byte += 64) __builtin_prefetch(keys + byte);
+  const uint16_t *values = v + row * vs[0] + head * vs[1];
+  for (int64_t s = 0; s < N && s < 16; s++)
+    for (int64_t byte = 0; byte < D * 2; byte += 64) __builtin_prefetch((const char *)(values + s * vs[2]) + byte);
 }
 
 #define HEAD(g, d) one_head(g, d, i / H, i % H, q, qs, kt, ks, v, vs, mask, ms, out, os, N, scale)
@@ -224,6 +276,7 @@ int mtrain_cache_attention(const uint16_t *q, const int64_t *qs, const uint16_t 
     return -1;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t i = 0; i < B * H; i++) {
+    if (i + 1 < B * H) prefetch_head((i + 1) / H, (i + 1) % H, kt, ks, v, vs, N, D);
     if (D == 64) {
       QUERIES(64)
     } else if (D == 32) {
@@ -331,11 +384,16 @@ int mtrain_topk_logsumexp(const uint16_t *x, int64_t rows, int64_t V, int64_t st
 
    k (B, H, G, D) bfloat16, any strides (ks[4]) -> slots start..start+G-1 of the tiles kt
    (B, H, T, D, 16) (strides ts[3] for b, h, tile), and zeros in the slots after them up to the next
-   multiple of 16, which attention reads as part of its last block. PyTorch's strided copy into the
-   transposed layout and the separate fill took about 0.7 ms a layer at beam 5's shapes. */
+   multiple of 16, which attention reads as part of its last block. Only a tile these keys open
+   (its first slot at or after start) needs the zeros: the tail of a tile opened before was zeroed
+   then, and the cache copies tiles whole when it regrows them, so each slot is written once or
+   twice, not at every step (rewriting the tail each step had made this kernel as slow as the
+   attention itself at greedy search's shapes). PyTorch's strided copy into the transposed layout
+   and the separate fill took about 0.7 ms a layer at beam 5's shapes. */
 int mtrain_append_keys(const uint16_t *k, const int64_t *ks, uint16_t *kt, const int64_t *ts,
                        int64_t B, int64_t H, int64_t G, int64_t D, int64_t start, int threads) {
   const int64_t end = start + G, padded = (end + 15) & ~(int64_t)15;
+  const int64_t zero_from = padded - 16 >= start ? end : padded; /* the last tile is new: zero its tail */
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t i = 0; i < B * H; i++) {
     const int64_t b = i / H, h = i % H;
@@ -345,7 +403,7 @@ int mtrain_append_keys(const uint16_t *k, const int64_t *ks, uint16_t *kt, const
       uint16_t *tile = dst + ((start + g) / 16) * ts[2] + (start + g) % 16;
       for (int64_t d = 0; d < D; d++) tile[d * 16] = src[g * ks[2] + d * ks[3]];
     }
-    for (int64_t s = end; s < padded; s++) {
+    for (int64_t s = zero_from; s < padded; s++) {
       uint16_t *tile = dst + (s / 16) * ts[2] + s % 16;
       for (int64_t d = 0; d < D; d++) tile[d * 16] = 0;
     }

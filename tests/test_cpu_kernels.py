@@ -297,10 +297,10 @@ def test_beam_search_on_bfloat16_blocks_equals_the_float32_logits_path(bf16_mode
 
 
 @needs_kernel
-def test_append_keys_writes_slots_and_zeros_the_rest_of_their_block():
+def test_append_keys_writes_slots_and_zeros_the_rest_of_the_block_they_open():
     """Keys from a strided view (beam search's folded rows) land in their slots of the tiles, across
-    a tile's edge; the slots after them up to the next multiple of 16 become zeros; nothing else
-    changes."""
+    a tile's edge; the block they open gets zeros after them up to its end; nothing else changes, and
+    a block opened before keeps its tail as it is (it was zeroed when it was opened)."""
     B, H, G, D = 3, 2, 5, 64
     qkv = torch.randn(B * G, 1, 3 * H * D).bfloat16()
     k = qkv.view(B * G, 1, 3, H, D).unbind(2)[1].transpose(1, 2).unflatten(0, (B, G)).transpose(1, 2).flatten(2, 3)
@@ -309,8 +309,43 @@ def test_append_keys_writes_slots_and_zeros_the_rest_of_their_block():
     slots = cpu_kernels.untiled(tiles, 48)
     assert torch.equal(slots[:, :, 13:18], k)
     assert (slots[:, :, 18:32] == 0).all() and (slots[:, :, :13] == 7).all() and (slots[:, :, 32:] == 7).all()
+    assert cpu_kernels.append_keys(k[:, :, :2], tiles, 3)  # inside block 0, opened before slot 3
+    slots = cpu_kernels.untiled(tiles, 48)
+    assert torch.equal(slots[:, :, 3:5], k[:, :, :2]) and (slots[:, :, 5:13] == 7).all()
     assert not cpu_kernels.append_keys(k, tiles, 44)  # its block (to 64) would pass the tiles' end
     assert not cpu_kernels.append_keys(k.float(), tiles, 0)
+
+
+@needs_kernel
+def test_cache_tiles_hold_every_key_and_zeros_after_them_whatever_the_new_memory_held(monkeypatch):
+    """Appends of 1-8 keys at a time, with regrowths and row reorders between them, into buffers whose
+    new memory is NaN: after each append the tiles hold exactly the keys so far (reordered) and zeros
+    up to the end of the last block, the slots attention reads."""
+    from mtrain import cache as cache_module
+
+    regrow = cache_module._regrow
+
+    def poisoned(old, like, capacity, filled, order, dtype, tiled=False):
+        out = regrow(old, like, capacity, filled, order, dtype, tiled)
+        kept = -(-filled // 16) if tiled else filled
+        out[:, :, kept:] = float("nan")
+        return out
+
+    monkeypatch.setattr(cache_module, "_regrow", poisoned)
+    gen = torch.Generator().manual_seed(3)
+    layer, seen = cache_module.LayerCache(), torch.empty(4, 2, 0, 32, dtype=torch.bfloat16)
+    for step in range(40):
+        t = int(torch.randint(1, 9, (1,), generator=gen))
+        k = torch.randn(4, 2, t, 32, generator=gen).bfloat16()
+        if step % 7 == 6:
+            order = torch.randperm(4, generator=gen)
+            layer.reorder(order, None)
+            seen = seen.index_select(0, order)
+        keys, _ = layer.append(k, torch.randn(4, 2, t, 32, generator=gen).bfloat16())
+        seen = torch.cat([seen, k], dim=2)
+        n = seen.size(2)
+        slots = cpu_kernels.untiled(keys, -(-n // 16) * 16)
+        assert layer.tiled and torch.equal(slots[:, :, :n], seen) and (slots[:, :, n:] == 0).all(), step
 
 
 def test_tiles_round_trip():
