@@ -241,19 +241,6 @@ static inline __attribute__((always_inline)) void one_head(
   }
 }
 
-/* The next (row, head)'s first keys and values, requested while this one is computed: each head's
-   cache lies kilobytes from the last, where the hardware prefetcher does not follow, and at greedy
-   search's shapes the first read of each head's keys stalled on memory for a third of the kernel's
-   time. Its first 16 slots are enough: a longer cache is read in order, which the hardware follows. */
-static inline void prefetch_head(int64_t row, int64_t head, const uint16_t *kt, const int64_t *ks,
-                                 const uint16_t *v, const int64_t *vs, int64_t N, int64_t D) {
-  const char *keys = (const char *)(kt + row * ks[0] + head * ks[1]);
-  for (int64_t byte = 0; byte < D * 16 * 2; byte += 64) __builtin_prefetch(keys + byte);
-  const uint16_t *values = v + row * vs[0] + head * vs[1];
-  for (int64_t s = 0; s < N && s < 16; s++)
-    for (int64_t byte = 0; byte < D * 2; byte += 64) __builtin_prefetch((const char *)(values + s * vs[2]) + byte);
-}
-
 #define HEAD(g, d) one_head(g, d, i / H, i % H, q, qs, kt, ks, v, vs, mask, ms, out, os, N, scale)
 #define QUERIES(d)                \
   switch (G) {                    \
@@ -276,7 +263,6 @@ int mtrain_cache_attention(const uint16_t *q, const int64_t *qs, const uint16_t 
     return -1;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t i = 0; i < B * H; i++) {
-    if (i + 1 < B * H) prefetch_head((i + 1) / H, (i + 1) % H, kt, ks, v, vs, N, D);
     if (D == 64) {
       QUERIES(64)
     } else if (D == 32) {
