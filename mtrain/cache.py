@@ -11,8 +11,8 @@ layout: they hand their queries, keys and values to the layer cache and attend w
 returns, or take the cache's own attention (`LayerCache.attention`) where it has one.
 
 For a bfloat16 model on a CPU where mtrain.cpu_kernels loads, every layer keeps its keys and values
-in bfloat16 and its keys in tiles of 16 slots, (rows, H, slots / 16, d_head, 16), the layout that
-kernel reads; the modules then hand what the cache returned back to LayerCache.attention.
+in bfloat16, as that kernel reads them, and attends with it (LayerCache.attention); elsewhere they
+are kept in stored_dtype and the modules attend with PyTorch.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ class LayerCache:
         # A row reorder of self_k/self_v not applied yet: the next append applies it while it
         # copies into a new buffer (rows only change when search drops finished sentences).
         self.order: Tensor | None = None
-        # Whether the keys are kept for mtrain.cpu_kernels: bfloat16, in tiles (rows, H, slots / 16,
-        # d_head, 16); decided by the first keys stored.
-        self.tiled: bool | None = None
+        # Whether keys and values are kept in bfloat16 for mtrain.cpu_kernels (decided by the first
+        # keys stored).
+        self.native: bool | None = None
 
     def fold(self, x: Tensor) -> Tensor:
         """(B, H, t, d_head) per-row heads -> the layout attention runs in (here: unchanged)."""
@@ -58,45 +58,37 @@ class LayerCache:
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write (rows, H, t, d_head) k and v after the filled positions (applying a pending row
         reorder first); return the keys and values of every position so far: (rows, H, positions,
-        d_head) views, or with tiles the tiles themselves and the values' view."""
-        if self.tiled is None:
-            self.tiled = cpu_kernels.wanted(k)
+        d_head) views."""
+        if self.native is None:
+            self.native = cpu_kernels.wanted(k)
         start, end = self.filled, self.filled + k.size(2)
         grow = self.self_k is None or self.capacity() < end
         if grow or self.order is not None:
             capacity = max(32, 2 * end, self.reserved) if grow else self.capacity()
-            # Tiles hold whole blocks of 16 slots; the values keep the keys' capacity. Both stay in
-            # the model's dtype for the kernels, elsewhere in stored_dtype.
-            capacity, dtype = (_round16(capacity), k.dtype) if self.tiled else (capacity, stored_dtype(k))
-            self.self_k = _regrow(self.self_k, k, capacity, start, self.order, dtype, self.tiled)
+            dtype = k.dtype if self.native else stored_dtype(k)  # the kernel reads the model's bfloat16
+            self.self_k = _regrow(self.self_k, k, capacity, start, self.order, dtype)
             self.self_v = _regrow(self.self_v, v, capacity, start, self.order, dtype)
             self.order = None
-        if self.tiled:  # zeros after the new keys: attention reads whole blocks of 16 slots
-            if not cpu_kernels.append_keys(k, self.self_k, start):
-                raise RuntimeError("the key tiles cannot take these keys")  # append_keys checks what _regrow made
-        else:
-            self.self_k[:, :, start:end] = k
+        self.self_k[:, :, start:end] = k
         self.self_v[:, :, start:end] = v
         self.filled = end
-        # Tiles go as they are: attention reads as many of their slots as the values have.
-        return self.self_k if self.tiled else self.self_k[:, :, :end], self.self_v[:, :, :end]
+        return self.self_k[:, :, :end], self.self_v[:, :, :end]
 
     def capacity(self) -> int:
         """The positions the self-attention buffers hold."""
         return self.self_v.size(2)
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor | None:
-        """With key tiles, the attention of q over the keys k and values v this cache returned: by
-        mtrain.cpu_kernels, or where it declines (more than 8 queries a row, a causal prefix) by
-        mtrain.model.attend over the keys copied out of the tiles. None otherwise: the caller attends
-        over the views it got."""
-        if not self.tiled:
+        """For keys kept for mtrain.cpu_kernels, the attention of q over the keys k and values v this
+        cache returned: by that kernel, or where it declines (more than 8 queries a row, a causal
+        prefix) by mtrain.model.attend. None otherwise: the caller attends."""
+        if not self.native:
             return None
         y = None if is_causal else cpu_kernels.attend(q, k, v, mask)
         if y is None:
             from mtrain.model import attend  # the model imports this module
 
-            y = attend(q, cpu_kernels.untiled(k, v.size(2)), v, mask, 0.0, is_causal)
+            y = attend(q, k, v, mask, 0.0, is_causal)
         return y
 
     def cross_attention(self, q: Tensor, memory: Tensor,
@@ -104,9 +96,10 @@ class LayerCache:
         """(queries, keys, values) over the source; memory_kv runs on the first call only."""
         if self.cross_k is None:
             k, v = memory_kv(memory)
-            if self.tiled is None:
-                self.tiled = cpu_kernels.wanted(k)
-            self.cross_k, self.cross_v = (cpu_kernels.tiled(k), stored(v, k.dtype)) if self.tiled else map(stored, (k, v))
+            if self.native is None:
+                self.native = cpu_kernels.wanted(k)
+            dtype = k.dtype if self.native else None
+            self.cross_k, self.cross_v = stored(k, dtype), stored(v, dtype)
         return self.fold(q), self.cross_k, self.cross_v
 
     def reorder(self, index: Tensor, source: Tensor | None) -> None:
@@ -160,30 +153,17 @@ def stored(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     return x.to(dtype=dtype or stored_dtype(x), memory_format=torch.contiguous_format)
 
 
-def _round16(n: int) -> int:
-    return -(-n // 16) * 16
-
-
 def _regrow(old: Tensor | None, like: Tensor, capacity: int, filled: int, order: Tensor | None,
-            dtype: torch.dtype, tiled: bool = False) -> Tensor:
-    """A (rows, H, capacity, d_head) buffer in dtype, or key tiles (rows, H, capacity / 16, d_head,
-    16) when tiled (capacity a multiple of 16), holding the first `filled` positions of old, its rows
-    in `order` when given (index_select writes straight into the new buffer). Tiles are copied
-    whole, the partly filled last one with the zeros append_keys wrote after its keys."""
+            dtype: torch.dtype) -> Tensor:
+    """A (rows, H, capacity, d_head) buffer in dtype holding the first `filled` positions of old, its
+    rows in `order` when given (index_select writes straight into the new buffer)."""
     rows, heads, _, width = like.shape
-    if tiled:
-        out = like.new_empty(rows, heads, capacity // 16, width, 16, dtype=dtype)
-        old_part = None if old is None else old[:, :, : _round16(filled) // 16]
-        new_part = out[:, :, : _round16(filled) // 16]
-    else:
-        out = like.new_empty(rows, heads, capacity, width, dtype=dtype)
-        old_part = None if old is None else old[:, :, :filled]
-        new_part = out[:, :, :filled]
-    if old_part is not None and filled:
+    out = like.new_empty(rows, heads, capacity, width, dtype=dtype)
+    if old is not None and filled:
         if order is None:
-            new_part.copy_(old_part)
+            out[:, :, :filled].copy_(old[:, :, :filled])
         else:
-            torch.index_select(old_part, 0, order, out=new_part)
+            torch.index_select(old[:, :, :filled], 0, order, out=out[:, :, :filled])
     return out
 
 
@@ -242,11 +222,9 @@ class KVCache:
         out.src_mask = self.src_mask
         for old, new in zip(self.layers, out.layers):
             new.cross_k, new.cross_v = old.cross_k, old.cross_v
-            new.tiled = old.tiled
+            new.native = old.native
             # step 0's (sources, H, 1, d_head) keys and values, broadcast to the slots of all G beams
-            k = old.self_k[:, :, :1, :, 0] if old.tiled else old.self_k[:, :, :1]
-            v = old.self_v[:, :, :1]
-            new.append(k.expand(-1, -1, group, -1), v.expand(-1, -1, group, -1))
+            new.append(old.self_k[:, :, :1].expand(-1, -1, group, -1), old.self_v[:, :, :1].expand(-1, -1, group, -1))
         out.record_step(old.self_v.shape[0] * group, old.self_v.device)  # each beam its own step-0 ancestor
         out.length = 1
         return out

@@ -4,7 +4,6 @@
    mtrain_cache_attention: attention of a few queries per (row, head) over a decoding cache.
    mtrain_topk_logsumexp: per row of bfloat16 logits, the k largest values with their columns and
    the log of the sum of the exponentials of all of them, in one pass.
-   mtrain_append_keys: new keys written into the cache's tiles.
 
    Built without -ffast-math on purpose: that flag links code that sets flush-to-zero for the whole
    process at load time. exp16 below is the one vector exponential both kernels use. */
@@ -123,60 +122,98 @@ static inline uint32_t above16(f32x16 v, float x) {
 /* ---- attention over a decoding cache ----------------------------------------------------------
 
    q    (B, H, G, D)  bfloat16 queries, any strides
-   kt   (B, H, T, D, 16) bfloat16 keys in tiles of 16 slots, each tile transposed: slot s, dim d at
-                      [s / 16][d][s % 16]; a tile is 2 D contiguous bytes (strides of b, h and the
-                      tile in ks); finite up to N rounded up to 16
+   k    (B, H, N, D)  bfloat16 keys (last stride 1)
    v    (B, H, N, D)  bfloat16 values (last stride 1)
    mask (B, G or 1, N) uint8, 1 = may attend (last stride 1), or NULL: every key
    out  (B, H, G, D)  bfloat16 result, any strides; a query that may attend to no key gets zeros
 
-   Per (row, head): the scores of 16 keys at a time are G vector accumulators over D multiply-adds
-   (a transposed tile makes each step one contiguous load, no horizontal sums, and each block of
-   16 keys one contiguous read); the softmax runs
-   in float32 over the slots, masked ones weighted 0; the values are summed row by row. The result
-   is rounded to bfloat16 once, as a float32 attention cast back would be. Strides are in elements:
-   qs[4], ks[3] (b, h, tile), vs[3] (b, h, n), ms[2] (b, g: 0 for one mask row), os[4]. */
+   Per (row, head) and query, 16 keys at a time: each key's products with the query summed pairwise
+   into a vector of 16 partial sums (one AVX-512 BF16 dot-product instruction per 32 dims: the
+   products of two bfloat16 values are exact in float32, and they accumulate in float32), then the
+   16 vectors reduced to the 16 keys' scores by one transposing sum (sum16x16). The keys are read in
+   the cache's own layout, as many as there are: each step appends a key as one contiguous row.
+   The softmax runs in float32 over the slots, masked ones weighted 0; the values are summed row by
+   row in float32. The result is rounded to bfloat16 once, as a float32 attention cast back would
+   be. Strides are in elements: qs[4], ks[3] (b, h, n), vs[3] (b, h, n), ms[2] (b, g: 0 for one
+   mask row), os[4]. */
 
 #define MAX_QUERIES 8
 #define MAX_KEYS 4096
 
+/* The 16 lane sums of x[0..15], in order: out[j] = sum of x[j]'s lanes. Three rounds of pairwise
+   sums, each halving the vectors while it folds their lanes (45 instructions for 16 dot products,
+   where a horizontal sum apiece would take about 128). */
+static inline f32x16 sum16x16(const f32x16 *x) {
+#ifdef __AVX512F__
+  __m512 a[16], b[8], c[4];
+  memcpy(a, x, sizeof a);
+  for (int i = 0; i < 8; i++) /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] of x = a[2i], y = a[2i+1] */
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; i++) { /* per 128-bit lane: the four vectors' sums over that lane's elements */
+    __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
+    __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  }
+  /* across the 128-bit lanes: c[i]'s four lanes summed into lane i of the result */
+  __m512 r01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x44), _mm512_shuffle_f32x4(c[0], c[1], 0xEE));
+  __m512 r23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x44), _mm512_shuffle_f32x4(c[2], c[3], 0xEE));
+  __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(r01, r23, 0x88), _mm512_shuffle_f32x4(r01, r23, 0xDD));
+  f32x16 out;
+  memcpy(&out, &r, sizeof out);
+  return out;
+#else
+  f32x16 out;
+  for (int j = 0; j < 16; j++) {
+    float total = 0.0f;
+    for (int i = 0; i < 16; i++) total += x[j][i];
+    out[j] = total;
+  }
+  return out;
+#endif
+}
+
+/* The scores of query q (D bfloat16 values) with keys key[0..n-1] (rows `stride` apart), n <= 16,
+   times scale; lanes from n on are 0. */
+static inline f32x16 scores16(const int D, const uint16_t *q, const uint16_t *key, int64_t stride, int64_t n,
+                              float scale) {
+  f32x16 dots[16];
+  for (int64_t j = 0; j < 16; j++) {
+    f32x16 acc = splat(0.0f);
+    if (j < n) {
+      const uint16_t *row = key + j * stride;
+#ifdef __AVX512BF16__
+      __m512 sum = _mm512_setzero_ps();
+      for (int d = 0; d < D; d += 32)
+        sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(row + d));
+      memcpy(&acc, &sum, sizeof acc);
+#else
+      for (int d = 0; d < D; d += 16) acc += load_bf16x16(q + d) * load_bf16x16(row + d);
+#endif
+    }
+    dots[j] = acc;
+  }
+  return sum16x16(dots) * scale;
+}
+
 static inline __attribute__((always_inline)) void one_head(
     const int G, const int D, int64_t row, int64_t head, const uint16_t *q, const int64_t *qs,
-    const uint16_t *kt, const int64_t *ks, const uint16_t *v, const int64_t *vs,
+    const uint16_t *k, const int64_t *ks, const uint16_t *v, const int64_t *vs,
     const uint8_t *mask, const int64_t *ms, uint16_t *out, const int64_t *os, int64_t N,
     float scale) {
   const int64_t padded = (N + 15) & ~(int64_t)15;
-  float query[MAX_QUERIES][128];
+  uint16_t query[MAX_QUERIES][128] __attribute__((aligned(64)));
   float weight[MAX_QUERIES][MAX_KEYS] __attribute__((aligned(64)));
   int32_t keep[MAX_KEYS] __attribute__((aligned(64)));
   for (int g = 0; g < G; g++) {
     const uint16_t *qp = q + row * qs[0] + head * qs[1] + g * qs[2];
-    if (qs[3] == 1)
-      for (int d = 0; d < D; d += 16) {
-        f32x16 x = load_bf16x16(qp + d) * scale;
-        memcpy(&query[g][d], &x, sizeof x);
-      }
-    else
-      for (int d = 0; d < D; d++) query[g][d] = bf16_to_float(qp[d * qs[3]]) * scale;
+    for (int d = 0; d < D; d++) query[g][d] = qp[d * qs[3]];
   }
-  const uint16_t *keys = kt + row * ks[0] + head * ks[1];
-  /* Few queries leave the multiply-adds one dependent chain each: split over d into P chains. */
-  const int P = G == 1 ? 4 : G == 2 ? 2 : 1; /* a constant once one_head is inlined for G */
-  for (int64_t s = 0; s < padded; s += 16) {
-    f32x16 acc[MAX_QUERIES][4];
-    for (int g = 0; g < G; g++)
-      for (int c = 0; c < P; c++) acc[g][c] = splat(0.0f);
-    for (int d = 0; d < D; d += P) {
-      for (int c = 0; c < P; c++) {
-        f32x16 k = load_bf16x16(keys + (s / 16) * ks[2] + (d + c) * 16);
-        for (int g = 0; g < G; g++) acc[g][c] += query[g][d + c] * k;
-      }
-    }
+  const uint16_t *keys = k + row * ks[0] + head * ks[1];
+  for (int64_t s = 0; s < padded; s += 16)
     for (int g = 0; g < G; g++) {
-      for (int c = 1; c < P; c++) acc[g][0] += acc[g][c];
-      memcpy(&weight[g][s], &acc[g][0], sizeof acc[g][0]);
+      f32x16 x = scores16(D, query[g], keys + s * ks[2], ks[2], N - s, scale);
+      memcpy(&weight[g][s], &x, sizeof x);
     }
-  }
   for (int g = 0; g < G; g++) {
     const uint8_t *allowed = mask ? mask + row * ms[0] + g * ms[1] : NULL;
     for (int64_t s = 0; s < N; s++) keep[s] = allowed && !allowed[s] ? 0 : -1;
@@ -241,7 +278,7 @@ static inline __attribute__((always_inline)) void one_head(
   }
 }
 
-#define HEAD(g, d) one_head(g, d, i / H, i % H, q, qs, kt, ks, v, vs, mask, ms, out, os, N, scale)
+#define HEAD(g, d) one_head(g, d, i / H, i % H, q, qs, k, ks, v, vs, mask, ms, out, os, N, scale)
 #define QUERIES(d)                \
   switch (G) {                    \
     case 1: HEAD(1, d); break;    \
@@ -254,7 +291,7 @@ static inline __attribute__((always_inline)) void one_head(
     default: HEAD(8, d); break;   \
   }
 
-int mtrain_cache_attention(const uint16_t *q, const int64_t *qs, const uint16_t *kt,
+int mtrain_cache_attention(const uint16_t *q, const int64_t *qs, const uint16_t *k,
                            const int64_t *ks, const uint16_t *v, const int64_t *vs,
                            const uint8_t *mask, const int64_t *ms, uint16_t *out,
                            const int64_t *os, int64_t B, int64_t H, int64_t G, int64_t N,
@@ -363,36 +400,5 @@ int mtrain_topk_logsumexp(const uint16_t *x, int64_t rows, int64_t V, int64_t st
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t r = 0; r < rows; r++)
     topk_row(x + r * stride, V, (int)k, top + r * k, ids + r * k, lse ? lse + r : NULL);
-  return 0;
-}
-
-/* ---- writing keys into the cache's tiles ---------------------------------------------------
-
-   k (B, H, G, D) bfloat16, any strides (ks[4]) -> slots start..start+G-1 of the tiles kt
-   (B, H, T, D, 16) (strides ts[3] for b, h, tile), and zeros in the slots after them up to the next
-   multiple of 16, which attention reads as part of its last block. Only a tile these keys open
-   (its first slot at or after start) needs the zeros: the tail of a tile opened before was zeroed
-   then, and the cache copies tiles whole when it regrows them, so each slot is written once or
-   twice, not at every step (rewriting the tail each step had made this kernel as slow as the
-   attention itself at greedy search's shapes). PyTorch's strided copy into the transposed layout
-   and the separate fill took about 0.7 ms a layer at beam 5's shapes. */
-int mtrain_append_keys(const uint16_t *k, const int64_t *ks, uint16_t *kt, const int64_t *ts,
-                       int64_t B, int64_t H, int64_t G, int64_t D, int64_t start, int threads) {
-  const int64_t end = start + G, padded = (end + 15) & ~(int64_t)15;
-  const int64_t zero_from = padded - 16 >= start ? end : padded; /* the last tile is new: zero its tail */
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t i = 0; i < B * H; i++) {
-    const int64_t b = i / H, h = i % H;
-    const uint16_t *src = k + b * ks[0] + h * ks[1];
-    uint16_t *dst = kt + b * ts[0] + h * ts[1];
-    for (int64_t g = 0; g < G; g++) {
-      uint16_t *tile = dst + ((start + g) / 16) * ts[2] + (start + g) % 16;
-      for (int64_t d = 0; d < D; d++) tile[d * 16] = src[g * ks[2] + d * ks[3]];
-    }
-    for (int64_t s = zero_from; s < padded; s++) {
-      uint16_t *tile = dst + (s / 16) * ts[2] + s % 16;
-      for (int64_t d = 0; d < D; d++) tile[d * 16] = 0;
-    }
-  }
   return 0;
 }

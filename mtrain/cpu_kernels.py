@@ -146,7 +146,6 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         return None, f"off: cannot load {path} ({err})"
     lib.mtrain_cache_attention.restype = ctypes.c_int
     lib.mtrain_topk_logsumexp.restype = ctypes.c_int
-    lib.mtrain_append_keys.restype = ctypes.c_int
     return lib, f"on: {path}"
 
 
@@ -161,17 +160,9 @@ def _strides(t: Tensor, dims: tuple[int, ...]) -> ctypes.Array:
     return (ctypes.c_int64 * len(dims))(*(t.stride(d) if t.size(d) > 1 else 0 for d in dims))
 
 
-def tiles_hold(kt: Tensor, slots: int, width: int) -> bool:
-    """Whether kt is a (B, H, T, width, 16) bfloat16 buffer of key tiles, each tile contiguous, with
-    room for `slots` slots rounded up to 16."""
-    return (kt.dim() == 5 and kt.dtype == torch.bfloat16 and kt.size(3) == width and kt.size(4) == 16
-            and kt.stride(4) == 1 and kt.stride(3) == 16 and kt.size(2) * 16 >= -(-slots // 16) * 16)
-
-
-def attend(q: Tensor, kt: Tensor, v: Tensor, mask: Tensor | None) -> Tensor | None:
-    """softmax(q k^T / sqrt(d_head)) v for bfloat16 q (B, H, G, d_head) over the keys in tiles kt
-    (B, H, T, d_head, 16): slot s, dim d at kt[..., s // 16, d, s % 16], finite up to N rounded up to
-    16) and values v (B, H, N, d_head), bfloat16 with a last stride of 1; mask (B, 1, G or 1, N)
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor | None:
+    """softmax(q k^T / sqrt(d_head)) v for bfloat16 q (B, H, G, d_head) over keys k and values v
+    (B, H, N, d_head), bfloat16 with a last stride of 1 (the cache's buffers); mask (B, 1, G or 1, N)
     bool, True = may attend, or None. The result is (B, H, G, d_head) bfloat16, laid out
     (B, G, H, d_head) so that the heads' concatenation is a view. None where the kernel does not take
     these shapes."""
@@ -180,7 +171,7 @@ def attend(q: Tensor, kt: Tensor, v: Tensor, mask: Tensor | None) -> Tensor | No
     N = v.size(2)
     if lib is None or G > MAX_QUERIES or N > MAX_KEYS or D not in HEAD_SIZES:
         return None
-    if q.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 or v.stride(-1) != 1 or not tiles_hold(kt, N, D):
+    if any(t.dtype != torch.bfloat16 for t in (q, k, v)) or k.shape != v.shape or k.stride(-1) != 1 or v.stride(-1) != 1:
         return None
     if mask is not None and (mask.dim() != 4 or mask.size(1) != 1 or mask.size(2) not in (1, G)
                              or mask.size(0) not in (1, B) or mask.size(3) != N or mask.stride(-1) != 1):
@@ -191,8 +182,8 @@ def attend(q: Tensor, kt: Tensor, v: Tensor, mask: Tensor | None) -> Tensor | No
         mask = mask.view(torch.uint8)
         mask_ptr, mask_strides = ctypes.c_void_p(mask.data_ptr()), _strides(mask, (0, 2))
     failed = lib.mtrain_cache_attention(
-        ctypes.c_void_p(q.data_ptr()), _strides(q, (0, 1, 2, 3)), ctypes.c_void_p(kt.data_ptr()),
-        _strides(kt, (0, 1, 2)), ctypes.c_void_p(v.data_ptr()), _strides(v, (0, 1, 2)), mask_ptr, mask_strides,
+        ctypes.c_void_p(q.data_ptr()), _strides(q, (0, 1, 2, 3)), ctypes.c_void_p(k.data_ptr()),
+        _strides(k, (0, 1, 2)), ctypes.c_void_p(v.data_ptr()), _strides(v, (0, 1, 2)), mask_ptr, mask_strides,
         ctypes.c_void_p(out.data_ptr()), (ctypes.c_int64 * 4)(*out.stride()), ctypes.c_int64(B), ctypes.c_int64(H),
         ctypes.c_int64(G), ctypes.c_int64(N), ctypes.c_int64(D), ctypes.c_float(D ** -0.5),
         ctypes.c_int(torch.get_num_threads()))
@@ -218,34 +209,3 @@ def topk_logsumexp(logits: Tensor, k: int, normaliser: bool = True) -> tuple[Ten
         ctypes.c_int64(k), ctypes.c_void_p(top.data_ptr()), ctypes.c_void_p(ids.data_ptr()),
         None if lse is None else ctypes.c_void_p(lse.data_ptr()), ctypes.c_int(torch.get_num_threads()))
     return None if failed else (top, ids, lse)
-
-
-def append_keys(k: Tensor, kt: Tensor, start: int) -> bool:
-    """Write bfloat16 keys k (B, H, G, d_head) into slots start..start+G-1 of the key tiles kt
-    (B, H, T, d_head, 16), and zeros after them up to the next multiple of 16 (which must lie
-    within the tiles). False where the kernel is not loaded or the shapes do not fit."""
-    lib = library()
-    B, H, G, D = k.shape
-    if lib is None or k.dtype != torch.bfloat16 or not tiles_hold(kt, start + G, D) or kt.shape[:2] != (B, H):
-        return False
-    lib.mtrain_append_keys(
-        ctypes.c_void_p(k.data_ptr()), (ctypes.c_int64 * 4)(*k.stride()), ctypes.c_void_p(kt.data_ptr()),
-        (ctypes.c_int64 * 3)(*kt.stride()[:3]), ctypes.c_int64(B), ctypes.c_int64(H), ctypes.c_int64(G),
-        ctypes.c_int64(D), ctypes.c_int64(start), ctypes.c_int(torch.get_num_threads()))
-    return True
-
-
-def tiled(k: Tensor, capacity: int | None = None) -> Tensor:
-    """(B, H, S, d_head) keys -> key tiles (B, H, T, d_head, 16) holding them, zeros after S, with
-    T * 16 = capacity (default S rounded up to 16)."""
-    B, H, S, D = k.shape
-    capacity = capacity or -(-S // 16) * 16
-    padded = k.new_zeros(B, H, capacity, D)
-    padded[:, :, :S] = k
-    return padded.view(B, H, capacity // 16, 16, D).transpose(3, 4).contiguous()
-
-
-def untiled(kt: Tensor, slots: int) -> Tensor:
-    """The (B, H, slots, d_head) keys held by key tiles kt (a copy)."""
-    B, H, T, D, _ = kt.shape
-    return kt.transpose(3, 4).reshape(B, H, T * 16, D)[:, :, :slots]

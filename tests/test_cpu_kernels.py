@@ -1,5 +1,5 @@
 """mtrain.cpu_kernels: the C kernel against attention in float64, its refusals, the cache's
-bfloat16 key tiles, and the switch and the fallbacks when it cannot be built."""
+bfloat16 cache, and the switch and the fallbacks when it cannot be built."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from mtrain.search import beam_search, greedy_search
 needs_kernel = pytest.mark.skipif(cpu_kernels.library() is None, reason=f"kernel not built: {cpu_kernels.status}")
 
 
-def reference(q, kt, v, mask):
+def reference(q, k, v, mask):
     """softmax(q k^T / sqrt(d)) v in float64 from the same bfloat16 inputs; zeros where no key is allowed."""
-    q, k, v = q.double(), cpu_kernels.untiled(kt, v.size(2)).double(), v.double()
+    q, k, v = q.double(), k.double(), v.double()
     scores = q @ k.transpose(-1, -2) * q.size(-1) ** -0.5
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
@@ -30,14 +30,15 @@ def reference(q, kt, v, mask):
 
 
 def inputs(B, H, G, N, D, capacity=None, seed=0):
-    """q (B, H, G, D); kt key tiles (B, H, capacity / 16, D, 16) holding N keys (capacity a multiple of
-    16, zeros after N), v (B, H, N, D) a view of a longer buffer: the cache's layout."""
+    """q (B, H, G, D); k and v (B, H, N, D), views of longer buffers: the cache's layout, whose slots
+    after N hold whatever they held (here NaN, which the kernel must not read)."""
     gen = torch.Generator().manual_seed(seed)
-    capacity = capacity or -(-N // 16) * 16
+    capacity = capacity or N + 16
     q = torch.randn(B, H, G, D, generator=gen).bfloat16()
-    kt = cpu_kernels.tiled(torch.randn(B, H, N, D, generator=gen).bfloat16(), capacity)
-    v = torch.randn(B, H, capacity, D, generator=gen).bfloat16()[:, :, :N]
-    return q, kt, v
+    k, v = (torch.full((B, H, capacity, D), float("nan"), dtype=torch.bfloat16) for _ in range(2))
+    k[:, :, :N] = torch.randn(B, H, N, D, generator=gen)
+    v[:, :, :N] = torch.randn(B, H, N, D, generator=gen)
+    return q, k[:, :, :N], v[:, :, :N]
 
 
 @needs_kernel
@@ -47,9 +48,9 @@ def inputs(B, H, G, N, D, capacity=None, seed=0):
 def test_kernel_equals_attention_in_float64(G, D, N):
     """Every query, any key count (inside one block of 16, on its edge, across blocks), no mask:
     within the float32 arithmetic and the result's one bfloat16 rounding of the exact value."""
-    q, kt, v = inputs(3, 2, G, N, D, capacity=-(-N // 16) * 16 + 32)
-    got = cpu_kernels.attend(q, kt, v, None)
-    want = reference(q, kt, v, None)
+    q, k, v = inputs(3, 2, G, N, D)
+    got = cpu_kernels.attend(q, k, v, None)
+    want = reference(q, k, v, None)
     assert got.shape == (3, 2, G, D) and got.dtype == torch.bfloat16
     assert torch.allclose(got.double(), want, rtol=2 ** -8, atol=1e-5)
 
@@ -60,37 +61,37 @@ def test_kernel_honours_key_masks_and_per_query_masks():
     (one row per query, as beam search's): masked keys take no weight; a query that may attend to
     nothing gets zeros, as PyTorch's CPU kernel gives."""
     B, H, G, N, D = 4, 3, 5, 37, 64
-    q, kt, v = inputs(B, H, G, N, D)
+    q, k, v = inputs(B, H, G, N, D)
     gen = torch.Generator().manual_seed(1)
     keys = torch.rand(B, 1, 1, N, generator=gen) > 0.3
     keys[:, :, :, 0] = True
     per_query = torch.rand(B, 1, G, N, generator=gen) > 0.6
     per_query[0, 0, 2] = False  # nothing allowed
     for mask in (keys, per_query):
-        got = cpu_kernels.attend(q, kt, v, mask)
-        assert torch.allclose(got.double(), reference(q, kt, v, mask), rtol=2 ** -8, atol=1e-5)
-    assert torch.equal(cpu_kernels.attend(q, kt, v, per_query)[0, :, 2], torch.zeros(H, D, dtype=torch.bfloat16))
+        got = cpu_kernels.attend(q, k, v, mask)
+        assert torch.allclose(got.double(), reference(q, k, v, mask), rtol=2 ** -8, atol=1e-5)
+    assert torch.equal(cpu_kernels.attend(q, k, v, per_query)[0, :, 2], torch.zeros(H, D, dtype=torch.bfloat16))
 
 
 @needs_kernel
 def test_result_is_laid_out_for_the_heads_concatenation():
     """(B, H, G, D) as a view of (B, G, H, D): concatenating the heads needs no copy."""
-    q, kt, v = inputs(2, 4, 5, 20, 64)
-    out = cpu_kernels.attend(q, kt, v, None)
+    q, k, v = inputs(2, 4, 5, 20, 64)
+    out = cpu_kernels.attend(q, k, v, None)
     assert out.transpose(1, 2).is_contiguous()
 
 
 @needs_kernel
 def test_kernel_declines_what_it_was_not_built_for():
-    q, kt, v = inputs(2, 2, 9, 20, 64)
-    assert cpu_kernels.attend(q, kt, v, None) is None  # more than 8 queries
-    q, kt, v = inputs(2, 2, 1, 20, 48)
-    assert cpu_kernels.attend(q, kt, v, None) is None  # a d_head it has no build for
-    q, kt, v = inputs(2, 2, 1, 20, 64)
-    assert cpu_kernels.attend(q.float(), kt, v, None) is None  # float32 queries
-    assert cpu_kernels.attend(q, kt, v, torch.ones(20, 20, dtype=torch.bool)) is None  # not (B, 1, G, N)
-    assert cpu_kernels.attend(q, kt.transpose(3, 4).contiguous(), v, None) is None  # not tiles of 16
-    assert cpu_kernels.attend(q, kt[:, :, :1], v, None) is None  # too few tiles for 20 keys
+    q, k, v = inputs(2, 2, 9, 20, 64)
+    assert cpu_kernels.attend(q, k, v, None) is None  # more than 8 queries
+    q, k, v = inputs(2, 2, 1, 20, 48)
+    assert cpu_kernels.attend(q, k, v, None) is None  # a d_head it has no build for
+    q, k, v = inputs(2, 2, 1, 20, 64)
+    assert cpu_kernels.attend(q.float(), k, v, None) is None  # float32 queries
+    assert cpu_kernels.attend(q, k, v, torch.ones(20, 20, dtype=torch.bool)) is None  # not (B, 1, G, N)
+    assert cpu_kernels.attend(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, None) is None  # keys by column
+    assert cpu_kernels.attend(q, k[:, :, :19], v, None) is None  # fewer keys than values
 
 
 @pytest.fixture
@@ -102,8 +103,8 @@ def bf16_model():
 
 
 @needs_kernel
-def test_bfloat16_cache_is_tiled_and_decodes_as_without_it(bf16_model):
-    """Step by step with the cache (the kernel, bfloat16 key tiles) gives the logits of the
+def test_bfloat16_cache_stays_bfloat16_and_decodes_as_without_it(bf16_model):
+    """Step by step with the cache (the kernel, bfloat16 keys and values) gives the logits of the
     full prefix decoded without a cache (PyTorch's attention), to bfloat16 rounding."""
     gen = torch.Generator().manual_seed(2)
     src = torch.randint(4, 40, (3, 9), generator=gen)
@@ -114,15 +115,14 @@ def test_bfloat16_cache_is_tiled_and_decodes_as_without_it(bf16_model):
         full = bf16_model.decode(tgt, memory, src).float()
         cache = bf16_model.new_cache()
         steps = [bf16_model.decode(tgt[:, t : t + 1], memory, src, cache).float() for t in range(tgt.size(1))]
-    assert all(layer.tiled for layer in cache.layers)
-    tiles = cache.layers[0].self_k
-    assert tiles.dtype == torch.bfloat16 and tiles.shape[3:] == (32, 16)  # d_head, 16 slots a tile
+    assert all(layer.native for layer in cache.layers)
+    assert all(t.dtype == torch.bfloat16 for t in (cache.layers[0].self_k, cache.layers[0].cross_v))
     assert torch.allclose(torch.cat(steps, dim=1), full, atol=0.1, rtol=0.05)
 
 
 @needs_kernel
 def test_searches_agree_with_and_without_the_kernel(bf16_model, monkeypatch):
-    """Greedy and beam search over the tiled cache and over the float32 one reach the same
+    """Greedy and beam search over the bfloat16 cache and over the float32 one reach the same
     outputs for nearly every sentence (bfloat16 rounding may settle a near-tie otherwise)."""
     gen = torch.Generator().manual_seed(3)
     src = torch.randint(4, 40, (12, 10), generator=gen)
@@ -142,7 +142,7 @@ def test_float32_models_keep_the_float32_layout():
     cache = model.new_cache()
     with torch.inference_mode():
         model.decode(torch.full((2, 1), 1), model.encode(src), src, cache)
-    assert cache.layers[0].tiled is False and cache.layers[0].self_k.size(2) >= 1
+    assert cache.layers[0].native is False and cache.layers[0].self_k.size(2) >= 1
     assert cache.layers[0].self_k.dtype == torch.float32
 
 
@@ -297,64 +297,28 @@ def test_beam_search_on_bfloat16_blocks_equals_the_float32_logits_path(bf16_mode
 
 
 @needs_kernel
-def test_append_keys_writes_slots_and_zeros_the_rest_of_the_block_they_open():
-    """Keys from a strided view (beam search's folded rows) land in their slots of the tiles, across
-    a tile's edge; the block they open gets zeros after them up to its end; nothing else changes, and
-    a block opened before keeps its tail as it is (it was zeroed when it was opened)."""
-    B, H, G, D = 3, 2, 5, 64
-    qkv = torch.randn(B * G, 1, 3 * H * D).bfloat16()
-    k = qkv.view(B * G, 1, 3, H, D).unbind(2)[1].transpose(1, 2).unflatten(0, (B, G)).transpose(1, 2).flatten(2, 3)
-    tiles = torch.full((B, H, 3, D, 16), 7.0, dtype=torch.bfloat16)
-    assert cpu_kernels.append_keys(k, tiles, 13)
-    slots = cpu_kernels.untiled(tiles, 48)
-    assert torch.equal(slots[:, :, 13:18], k)
-    assert (slots[:, :, 18:32] == 0).all() and (slots[:, :, :13] == 7).all() and (slots[:, :, 32:] == 7).all()
-    assert cpu_kernels.append_keys(k[:, :, :2], tiles, 3)  # inside block 0, opened before slot 3
-    slots = cpu_kernels.untiled(tiles, 48)
-    assert torch.equal(slots[:, :, 3:5], k[:, :, :2]) and (slots[:, :, 5:13] == 7).all()
-    assert not cpu_kernels.append_keys(k, tiles, 44)  # its block (to 64) would pass the tiles' end
-    assert not cpu_kernels.append_keys(k.float(), tiles, 0)
+def test_bfloat16_cache_holds_every_key_and_value_through_regrowths_and_reorders():
+    """Appends of 1-8 positions at a time, with regrowths and row reorders between them: after each
+    the views the cache returns hold exactly the keys and values so far, in bfloat16, and the
+    kernel over them equals attention in float64."""
+    from mtrain.cache import LayerCache
 
-
-@needs_kernel
-def test_cache_tiles_hold_every_key_and_zeros_after_them_whatever_the_new_memory_held(monkeypatch):
-    """Appends of 1-8 keys at a time, with regrowths and row reorders between them, into buffers whose
-    new memory is NaN: after each append the tiles hold exactly the keys so far (reordered) and zeros
-    up to the end of the last block, the slots attention reads."""
-    from mtrain import cache as cache_module
-
-    regrow = cache_module._regrow
-
-    def poisoned(old, like, capacity, filled, order, dtype, tiled=False):
-        out = regrow(old, like, capacity, filled, order, dtype, tiled)
-        kept = -(-filled // 16) if tiled else filled
-        out[:, :, kept:] = float("nan")
-        return out
-
-    monkeypatch.setattr(cache_module, "_regrow", poisoned)
     gen = torch.Generator().manual_seed(3)
-    layer, seen = cache_module.LayerCache(), torch.empty(4, 2, 0, 32, dtype=torch.bfloat16)
+    layer = LayerCache()
+    seen_k = seen_v = torch.empty(4, 2, 0, 32, dtype=torch.bfloat16)
     for step in range(40):
         t = int(torch.randint(1, 9, (1,), generator=gen))
-        k = torch.randn(4, 2, t, 32, generator=gen).bfloat16()
+        k, v = (torch.randn(4, 2, t, 32, generator=gen).bfloat16() for _ in range(2))
         if step % 7 == 6:
             order = torch.randperm(4, generator=gen)
             layer.reorder(order, None)
-            seen = seen.index_select(0, order)
-        keys, _ = layer.append(k, torch.randn(4, 2, t, 32, generator=gen).bfloat16())
-        seen = torch.cat([seen, k], dim=2)
-        n = seen.size(2)
-        slots = cpu_kernels.untiled(keys, -(-n // 16) * 16)
-        assert layer.tiled and torch.equal(slots[:, :, :n], seen) and (slots[:, :, n:] == 0).all(), step
-
-
-def test_tiles_round_trip():
-    keys = torch.randn(2, 3, 21, 32).bfloat16()
-    tiles = cpu_kernels.tiled(keys)
-    assert tiles.shape == (2, 3, 2, 32, 16) and tiles.is_contiguous()
-    assert torch.equal(cpu_kernels.untiled(tiles, 21), keys)
-    assert (cpu_kernels.untiled(tiles, 32)[:, :, 21:] == 0).all()
-    assert torch.equal(tiles[0, 1, 1, 5, 3], keys[0, 1, 19, 5])  # slot 19 = tile 1, lane 3
+            seen_k, seen_v = seen_k.index_select(0, order), seen_v.index_select(0, order)
+        keys, values = layer.append(k, v)
+        seen_k, seen_v = torch.cat([seen_k, k], dim=2), torch.cat([seen_v, v], dim=2)
+        assert layer.native and torch.equal(keys, seen_k) and torch.equal(values, seen_v), step
+    q = torch.randn(4, 2, 1, 32, generator=gen).bfloat16()
+    assert torch.allclose(layer.attention(q, keys, values, None, False).double(), reference(q, keys, values, None),
+                          rtol=2 ** -8, atol=1e-5)
 
 
 @needs_kernel
@@ -389,10 +353,10 @@ def test_float32_decoding_never_builds_the_kernels(monkeypatch):
 
 
 @needs_kernel
-def test_where_the_kernel_declines_the_tiles_are_attended_by_torch(bf16_model, monkeypatch):
+def test_where_the_kernel_declines_the_cache_is_attended_by_torch(bf16_model, monkeypatch):
     """A prefix fed at once (a causal mask) and beam 9 (more queries a row than the kernel takes)
-    attend over the keys copied out of the tiles: the uncached logits, and beam 9's outputs with
-    and without the kernels."""
+    attend with PyTorch over the bfloat16 cache: the uncached logits, and beam 9's outputs with and
+    without the kernels."""
     gen = torch.Generator().manual_seed(5)
     src = torch.randint(4, 40, (4, 8), generator=gen)
     tgt = torch.randint(4, 40, (4, 6), generator=gen)
@@ -402,7 +366,7 @@ def test_where_the_kernel_declines_the_tiles_are_attended_by_torch(bf16_model, m
         cache = bf16_model.new_cache()
         prefix = bf16_model.decode(tgt[:, :3], memory, src, cache).float()
         rest = [bf16_model.decode(tgt[:, t : t + 1], memory, src, cache).float() for t in range(3, 6)]
-    assert cache.layers[0].tiled
+    assert cache.layers[0].native
     assert torch.allclose(torch.cat([prefix, *rest], dim=1), full, atol=0.1, rtol=0.05)
     max_len = torch.full((4,), 8)
     with_kernel = beam_search(bf16_model, src, 9, 0.6, max_len)
