@@ -7,9 +7,9 @@ float32 model):
   shows the harness's own spread.
 - `--compare normaliser`: beam search's log sum exp of each row's logits without the row maxima
   subtracted where that is safe (mtrain.kernels.logsumexp_near_) against always subtracted.
-- `--compare cpu_kernels`: mtrain.cpu_kernels' C kernels (attention over a bfloat16 cache with
-  transposed keys; beam search's top-k and log-sum-exp over the bfloat16 logits) against decoding
-  without them (float32 cache, PyTorch's attention, upcast logits).
+- `--compare cpu_kernels`: mtrain.cpu_kernels' C kernels (attention over a bfloat16 cache; beam
+  search's top-k and log-sum-exp over the bfloat16 logits) against decoding without them (float32
+  cache, PyTorch's attention, upcast logits).
 
     python benchmarks/decode_ab.py --threads 2                 # greedy, attention
     python benchmarks/decode_ab.py --beam 5 --threads 2 --json
