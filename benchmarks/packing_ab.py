@@ -3,13 +3,16 @@ on the padded batch, alternated batch by batch in one process, so that load from
 shared machine hits both alike. With --attention, both steps packed: attention from the rows
 straight to the heads (mtrain.model.HEADS_FROM_ROWS) against attention through the padded grid.
 With --softmax, both packed: attention's softmax over rows shorter than 16 padded to 16
-(mtrain.kernels.softmax_rows) against torch's softmax on the rows as they are.
+(mtrain.kernels.softmax_rows) against torch's softmax on the rows as they are. With --masks, both
+packed: dropout masks written by mtrain.cpu_kernels in one pass against masks from numpy's
+PCG64DXSM words and three integer passes over them (the masks' cost, not their bits, is compared).
 
     python benchmarks/packing_ab.py --bf16 --threads 2                 # small shape, bfloat16 autocast
     python benchmarks/packing_ab.py --bf16 --shape base --batches 3    # the paper's base shape
     python benchmarks/packing_ab.py --threads 2 --json                 # float32
     python benchmarks/packing_ab.py --bf16 --attention --threads 2     # rows to heads against the grid
     python benchmarks/packing_ab.py --bf16 --softmax --threads 2       # padded short softmax rows or not
+    python benchmarks/packing_ab.py --bf16 --masks --threads 2         # dropout masks in C or from numpy
 
 First one step of each from the same weights without dropout: their losses and the largest
 gradient difference relative to the gradient's largest entry (float32: summation order only;
@@ -27,6 +30,7 @@ import statistics
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -65,11 +69,29 @@ def softmax(forward_backward):
     return apply
 
 
+def numpy_lanes(seed: int, n: int, threshold: int, width: int) -> torch.Tensor:
+    """Dropout-mask lanes as they were made before the C kernel: numpy's PCG64DXSM words from the
+    seed, each 16-bit lane's low 15 bits plus 2^15 - threshold, the lane's top bit spread by an
+    arithmetic shift (two in-place passes over the words, one over the lanes)."""
+    words = torch.from_numpy(np.random.PCG64DXSM(seed).random_raw((n + 3) // 4).view(np.int64))
+    lanes = words.bitwise_and_(kernels._LOW_15_BITS).add_(kernels._in_lanes(32768 - threshold))
+    return lanes.view(torch.int16)[:n].bitwise_right_shift_(15)
+
+
+def masks(lanes):
+    """A variant of the packed step whose dropout masks come from `lanes` (mtrain.kernels.cpu_keep_lanes)."""
+    def apply() -> None:
+        choose(PACKED, HEADS)()
+        kernels.cpu_keep_lanes = lanes
+    return apply
+
+
 # Each comparison: {baseline, candidate}, in that order.
 COMPARISONS = {
     "packing": {"padded": choose(PADDED, HEADS), "packed": choose(PACKED, HEADS)},
     "attention": {"grid": choose(PACKED, ()), "heads": choose(PACKED, HEADS)},
     "softmax": {"unpadded": softmax(TORCH_SOFTMAX), "padded": softmax(SOFTMAX)},
+    "masks": {"numpy": masks(numpy_lanes), "c": masks(kernels.cpu_keep_lanes)},
 }
 
 
@@ -143,9 +165,12 @@ def main(argv: list[str] | None = None) -> dict:
                         help="both packed: attention from the rows to the heads against through the grid")
     parser.add_argument("--softmax", action="store_true",
                         help="both packed: short softmax rows padded to 16 against as they are")
+    parser.add_argument("--masks", action="store_true",
+                        help="both packed: dropout masks by mtrain.cpu_kernels against from numpy's words")
     args = parser.parse_args(argv)
     cfg, batches, lengths = step_batches(args)
-    variants = COMPARISONS["softmax" if args.softmax else "attention" if args.attention else "packing"]
+    variants = COMPARISONS["masks" if args.masks else "softmax" if args.softmax else "attention" if args.attention
+                           else "packing"]
     baseline, candidate = variants
     check = parity(cfg, batches[0], args.bf16, variants)
     print(f"one step, no dropout: loss {baseline} {check['loss'][baseline]:.6f}, {candidate} "

@@ -303,7 +303,7 @@ MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_li
 # Ops outside an anchor, by name.
 OPS = [(MATMULS, "matmuls (linear layers)"),
        (("aten::copy_", "aten::_to_copy"), "dtype casts (autocast, mixed-dtype sums)"),
-       (("aten::random_", "mtrain::random_words", "aten::bitwise_and", "aten::bitwise_right_shift", "aten::bitwise_not", "aten::bitwise_and_",
+       (("aten::random_", "mtrain::keep_mask", "aten::bitwise_and", "aten::bitwise_right_shift", "aten::bitwise_not", "aten::bitwise_and_",
          "aten::bitwise_right_shift_", "aten::bitwise_not_", "aten::bernoulli_", "aten::ge"), "dropout masks"),
        (("aten::embedding_dense_backward", "aten::embedding", "aten::index_select", "aten::index", "aten::_index_put_impl_"),
         "embeddings, gathers"),

@@ -402,3 +402,51 @@ int mtrain_topk_logsumexp(const uint16_t *x, int64_t rows, int64_t V, int64_t st
     topk_row(x + r * stride, V, (int)k, top + r * k, ids + r * k, lse ? lse + r : NULL);
   return 0;
 }
+
+/* ---- dropout masks ------------------------------------------------------------------------------
+
+   n mask elements of `width` bytes (2 or 4): all ones to keep, 0 to drop. Word j (from 0) is
+   splitmix64's output for the counter seed + (j + 1) * golden gamma, a function of (seed, j) alone,
+   so any number of threads gives the same bits; element i takes the low 15 bits of word i / 4's
+   16-bit lane i % 4 as its uniform u and is kept when u >= threshold (a drop rate of
+   threshold / 2^15). mtrain.kernels.splitmix_words computes the same words with PyTorch's integer
+   ops where this file is not built. */
+
+typedef uint64_t u64x8 __attribute__((vector_size(64)));
+typedef uint16_t u16x32 __attribute__((vector_size(64)));
+typedef int16_t i16x32 __attribute__((vector_size(64)));
+
+#define GOLDEN_GAMMA 0x9E3779B97F4A7C15ull
+
+static inline u64x8 splitmix8(uint64_t seed, int64_t first) {
+  u64x8 z = {0, 1, 2, 3, 4, 5, 6, 7};
+  z = (z + (uint64_t)first + 1) * GOLDEN_GAMMA + seed;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+int mtrain_keep_mask(uint64_t seed, int64_t n, int64_t threshold, int64_t width, void *out, int threads) {
+  if ((width != 2 && width != 4) || threshold < 0 || threshold > 32767) return -1;
+  const int64_t blocks = (n + 31) / 32; /* 8 words, 32 elements each */
+  const uint16_t t = (uint16_t)threshold;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t blk = 0; blk < blocks; blk++) {
+    u64x8 words = splitmix8(seed, 8 * blk);
+    u16x32 lanes;
+    memcpy(&lanes, &words, sizeof lanes); /* little-endian: lane l of word j is element 4 j + l */
+    i16x32 keep = (lanes & 0x7FFF) >= t;  /* -1 or 0 */
+    const int64_t start = 32 * blk, count = n - start < 32 ? n - start : 32;
+    if (width == 2) {
+      if (count == 32)
+        memcpy((int16_t *)out + start, &keep, sizeof keep);
+      else
+        for (int64_t i = 0; i < count; i++) ((int16_t *)out)[start + i] = keep[i];
+    } else {
+      int32_t wide[32];
+      for (int i = 0; i < 32; i++) wide[i] = keep[i];
+      memcpy((int32_t *)out + start, wide, sizeof(int32_t) * count);
+    }
+  }
+  return 0;
+}

@@ -149,6 +149,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         return None, f"off: cannot load {path} ({err})"
     lib.mtrain_cache_attention.restype = ctypes.c_int
     lib.mtrain_topk_logsumexp.restype = ctypes.c_int
+    lib.mtrain_keep_mask.restype = ctypes.c_int
     return lib, f"on: {path}"
 
 
@@ -212,3 +213,19 @@ def topk_logsumexp(logits: Tensor, k: int, normaliser: bool = True) -> tuple[Ten
         ctypes.c_int64(k), ctypes.c_void_p(top.data_ptr()), ctypes.c_void_p(ids.data_ptr()),
         None if lse is None else ctypes.c_void_p(lse.data_ptr()), ctypes.c_int(torch.get_num_threads()))
     return None if failed else (top, ids, lse)
+
+
+def keep_mask(seed: int, n: int, threshold: int, width: int) -> Tensor | None:
+    """n dropout-mask elements as int16 (width 2) or int32 (width 4): -1 to keep, 0 to drop, element
+    i kept when the low 15 bits of 16-bit lane i % 4 of splitmix64 word i // 4 (the counter
+    seed + (i // 4 + 1) * golden gamma, mtrain.kernels.splitmix_words) are >= threshold. None where
+    the kernel is not loaded."""
+    lib = library()
+    if lib is None or width not in (2, 4):
+        return None
+    out = torch.empty(n, dtype=torch.int16 if width == 2 else torch.int32)
+    failed = lib.mtrain_keep_mask(ctypes.c_uint64(seed % 2**64), ctypes.c_int64(n), ctypes.c_int64(threshold),
+                                  ctypes.c_int64(width), ctypes.c_void_p(out.data_ptr()),
+                                  ctypes.c_int(torch.get_num_threads()))
+    return None if failed else out
+

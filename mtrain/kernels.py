@@ -10,10 +10,11 @@ from __future__ import annotations
 import functools
 import math
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from mtrain import cpu_kernels
 
 NEG_INF = float("-inf")
 
@@ -60,7 +61,7 @@ def keep_bits(x: Tensor, p: float) -> tuple[Tensor, float]:
 def keep_mask(shape: torch.Size, dtype: torch.dtype, device: torch.device, p: float) -> tuple[Tensor, float]:
     """A mask of this shape that drops with probability p' = p rounded to a multiple of 2^-15
     (0.1 -> 0.100006), as integers of dtype's width: all ones to keep, 0 to drop; and the scale
-    keep_scale(p) that makes the mean of the kept values exact. One 64-bit word (random_words)
+    keep_scale(p) that makes the mean of the kept values exact. One 64-bit word (splitmix_words)
     gives four 15-bit uniforms; an element is dropped when its uniform is below p' * 2^15. A mask
     can be drawn before the tensor it clears exists (the output of a fused linear layer).
 
@@ -71,37 +72,70 @@ def keep_mask(shape: torch.Size, dtype: torch.dtype, device: torch.device, p: fl
     integer AND took 0.6 (4M elements)."""
     threshold = round(p * 32768)
     n = math.prod(shape)
-    bits = random_words((n + 3) // 4, device)
-    # The compare runs on whole 64-bit words, four 16-bit lanes at a time: each lane's low 15 bits
-    # u plus 2^15 - threshold stays below 2^16, so no lane carries into the next, and the lane's
-    # top bit is set exactly when u >= threshold. An arithmetic shift spreads that bit over the
-    # lane: -1 (all ones) to keep, 0 to drop. Two in-place passes over the words and one over the
-    # lanes: a bfloat16 training step ran 1.017x as fast as with four int16 passes into a new tensor.
-    lanes = bits.bitwise_and_(_LOW_15_BITS).add_(_in_lanes(32768 - threshold)).view(torch.int16)[:n]
-    keep = lanes.bitwise_right_shift_(15)
     width = dtype.itemsize
-    if width != 2:
-        keep = keep.to({4: torch.int32, 8: torch.int64}[width])  # sign-extended: -1 stays all ones
+    if torch.device(device).type == "cpu":
+        keep = cpu_keep_lanes(_mask_seed(), n, threshold, width)
+    else:
+        bits = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_()  # uniform on [0, 2^63)
+        # The compare runs on whole 64-bit words, four 16-bit lanes at a time: each lane's low 15
+        # bits u plus 2^15 - threshold stays below 2^16, so no lane carries into the next, and the
+        # lane's top bit is set exactly when u >= threshold. An arithmetic shift spreads that bit
+        # over the lane: -1 (all ones) to keep, 0 to drop.
+        lanes = bits.bitwise_and_(_LOW_15_BITS).add_(_in_lanes(32768 - threshold)).view(torch.int16)[:n]
+        keep = lanes.bitwise_right_shift_(15)
+    if keep.element_size() != width:
+        keep = keep.to({2: torch.int16, 4: torch.int32, 8: torch.int64}[width])  # sign-extended: -1 stays all ones
     return keep.view(shape), keep_scale(p)
 
 
 _LOW_15_BITS = 0x7FFF_7FFF_7FFF_7FFF  # of each 16-bit lane of an int64 word
 
 
-def random_words(n: int, device: torch.device | str) -> Tensor:
-    """n uniformly random int64 words (all 64 bits random on a CPU, the low 63 elsewhere).
+def _mask_seed() -> int:
+    """One draw from torch's CPU generator (whatever torch's default device), so torch.manual_seed and
+    the RNG state a checkpoint saves decide every mask."""
+    return int(torch.empty((), dtype=torch.int64, device="cpu").random_())
 
-    On a CPU they come from numpy's PCG64DXSM, seeded with one draw from torch's default
-    generator, so torch.manual_seed and the RNG state a checkpoint saves still decide every mask.
-    torch's own CPU generator is a single-threaded mt19937: 1M words took 3.07 ms there against
-    1.50 for PCG64DXSM, and a bfloat16 training step ran 1.026-1.028x as fast, a float32 one
-    1.017x (2-core AMX host, docs/benchmarks.md). Other devices draw with torch's generator."""
-    if torch.device(device).type != "cpu":
-        return torch.empty(n, dtype=torch.int64, device=device).random_()  # uniform on [0, 2^63)
-    # one draw from torch's CPU generator, whatever torch's default device
-    seed = int(torch.empty((), dtype=torch.int64, device="cpu").random_())
-    with torch.profiler.record_function("mtrain::random_words"):  # so that profiles see numpy's time
-        return torch.from_numpy(np.random.PCG64DXSM(seed).random_raw(n).view(np.int64))
+
+def cpu_keep_lanes(seed: int, n: int, threshold: int, width: int) -> Tensor:
+    """keep_mask's n elements on a CPU, as int16 or (width 4) int32: element i is kept (-1) when the
+    low 15 bits of 16-bit lane i % 4 of splitmix_words(seed, .)[i // 4] are >= threshold, else 0.
+    mtrain.cpu_kernels draws and compares them in one pass over the mask, where it is built; the same
+    bits come from PyTorch's integer ops elsewhere, so a run's masks do not depend on the C compiler.
+
+    Masks are the largest share of a bfloat16 training step after the matmuls: numpy's PCG64DXSM
+    words, then two integer passes over them and one over the lanes, took 13.1 ms for 4M bfloat16
+    elements, where the C kernel writes the mask in one pass (docs/benchmarks.md)."""
+    with torch.profiler.record_function("mtrain::keep_mask"):
+        keep = cpu_kernels.keep_mask(seed, n, threshold, 4 if width == 4 else 2)
+        if keep is not None:
+            return keep
+        lanes = splitmix_words(seed, (n + 3) // 4).view(torch.int16)[:n]
+        return lanes.bitwise_and(0x7FFF).ge_(threshold).to(torch.int16).neg_()
+
+
+# splitmix64 (Steele, Lea and Flood 2014, with Stafford's mixing constants): word j is the mix of the
+# counter seed + (j + 1) * GAMMA. Counter-based, so a mask's words need no state but its seed.
+_GAMMA, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def splitmix_words(seed: int, n: int) -> Tensor:
+    """Words 0..n-1 of the splitmix64 sequence from `seed`, as int64 (the bits of the uint64 values),
+    by PyTorch's integer ops, which wrap as the C kernel's uint64 arithmetic does."""
+    z = torch.arange(1, n + 1, dtype=torch.int64).mul_(_as_int64(_GAMMA)).add_(_as_int64(seed % 2**64))
+    for shift, multiplier in ((30, _MIX1), (27, _MIX2)):
+        z = z.bitwise_xor_(_shifted_right(z, shift)).mul_(_as_int64(multiplier))
+    return z.bitwise_xor_(_shifted_right(z, 31))
+
+
+def _as_int64(value: int) -> int:
+    """A uint64 value as the int64 with the same bits."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shifted_right(z: Tensor, shift: int) -> Tensor:
+    """z >> shift on the bits of uint64 values held as int64 (a logical shift)."""
+    return z.bitwise_right_shift(shift).bitwise_and_((1 << (64 - shift)) - 1)
 
 
 def _in_lanes(value: int) -> int:

@@ -10,7 +10,8 @@ import torch
 
 from conftest import DEVICES
 from mtrain import loss as loss_module
-from mtrain.kernels import Dropout, keep_bits, random_words
+from mtrain import cpu_kernels
+from mtrain.kernels import Dropout, keep_bits, splitmix_words
 from mtrain.loss import label_smoothed_loss, projected_label_smoothed_loss
 
 
@@ -183,32 +184,75 @@ def test_objective_loss_is_the_plain_loss_of_the_model_logits():
 # ---------------------------------------------------------------- dropout
 
 def keep_draw(n: int, p: float, seed: int | None = None) -> torch.Tensor:
-    """The 15-bit rule's keep decisions for n elements, drawn as keep_bits draws them, as bool:
-    from torch's generator seeded with `seed`, or where it stands when seed is None."""
+    """The 15-bit rule's keep decisions for n elements, drawn as keep_bits draws them, as bool: from
+    splitmix_words by PyTorch's integer ops, seeded by one draw from torch's generator, seeded with
+    `seed` or where it stands when seed is None."""
     if seed is not None:
         torch.manual_seed(seed)
-    bits = random_words((n + 3) // 4, "cpu")
-    return (bits.view(torch.int16)[:n] & 0x7FFF) >= round(p * 32768)
+    words = splitmix_words(int(torch.empty((), dtype=torch.int64).random_()), (n + 3) // 4)
+    return (words.view(torch.int16)[:n] & 0x7FFF) >= round(p * 32768)
 
 
-def test_random_words_follow_torchs_generator_and_every_bit_is_fair():
-    """The CPU words come from numpy's PCG64DXSM seeded by torch's default generator: torch.manual_seed
-    and a restored RNG state (what a checkpoint resumes from) give the same words, another seed
-    others; each of the 64 bit positions is set in half of 2^17 words, to within 6 standard
-    deviations of a fair coin (0.5 / sqrt(2^17) = 0.0014 each)."""
+def splitmix64_reference(seed: int, n: int) -> list[int]:
+    """splitmix64 as its reference C code states it, in Python's exact integers mod 2^64."""
+    out, state, mask = [], seed, (1 << 64) - 1
+    for _ in range(n):
+        state = (state + 0x9E3779B97F4A7C15) & mask
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        out.append(z ^ (z >> 31))
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 12345, 2**63 - 1, 2**63 + 5, 2**64 - 1])
+def test_splitmix_words_are_splitmix64(seed):
+    """PyTorch's wrapping int64 ops give splitmix64's uint64 words bit for bit (seed 0 starts with
+    0xE220A8397B1DCDAF, the reference implementation's first output)."""
+    got = [w % 2**64 for w in splitmix_words(seed, 1000).tolist()]
+    assert got == splitmix64_reference(seed, 1000)
+    assert splitmix64_reference(0, 1) == [0xE220A8397B1DCDAF]
+
+
+@pytest.mark.skipif(cpu_kernels.library() is None, reason=f"kernel not built: {cpu_kernels.status}")
+@pytest.mark.parametrize("threshold", [0, 1, 3277, 16384, 32767])
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 4 * 1001 + 3])
+def test_c_masks_equal_the_pytorch_masks_for_any_thread_count(n, threshold):
+    """The C kernel's int16 and int32 masks are PyTorch's splitmix_words rule element by element, with
+    one thread or two, at the thresholds where a lane's compare could go wrong, for lengths around
+    its blocks of 32."""
+    for seed in (7, 2**63 + 11):
+        lanes = splitmix_words(seed, (n + 3) // 4).view(torch.int16)[:n]
+        expected = ((lanes & 0x7FFF) >= threshold).to(torch.int16).neg_()
+        for threads in (1, 2):
+            previous = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                assert torch.equal(cpu_kernels.keep_mask(seed, n, threshold, 2), expected)
+                assert torch.equal(cpu_kernels.keep_mask(seed, n, threshold, 4), expected.int())
+            finally:
+                torch.set_num_threads(previous)
+
+
+def test_masks_follow_torchs_generator_and_every_lane_bit_is_fair(monkeypatch):
+    """Each mask is seeded by one draw from torch's default generator: torch.manual_seed and a restored
+    RNG state (what a checkpoint resumes from) give the same mask, another seed another; with and
+    without the C kernel the same bits. Each of a lane's 15 bits is set in half of 2^18 lanes, to
+    within 6 standard deviations of a fair coin."""
+    x = torch.empty(1 << 18, dtype=torch.bfloat16)
     torch.manual_seed(21)
-    first = random_words(1 << 17, "cpu")
+    first = keep_bits(x, 0.5)[0]
     state = torch.get_rng_state()
-    second = random_words(1000, "cpu")
+    second = keep_bits(x, 0.5)[0]
     torch.set_rng_state(state)
-    assert torch.equal(random_words(1000, "cpu"), second)
+    assert torch.equal(keep_bits(x, 0.5)[0], second) and not torch.equal(first, second)
+    monkeypatch.setattr(cpu_kernels, "keep_mask", lambda *args: None)  # PyTorch's integer ops
+    torch.set_rng_state(state)
+    assert torch.equal(keep_bits(x, 0.5)[0], second)
     torch.manual_seed(21)
-    assert torch.equal(random_words(1 << 17, "cpu"), first) and not torch.equal(first[:1000], second)
-    torch.manual_seed(22)
-    assert not torch.equal(random_words(1 << 17, "cpu"), first)
-    assert first.dtype == torch.int64 and random_words(0, "cpu").numel() == 0
-    bits = (first[:, None] >> torch.arange(64)) & 1  # arithmetic shift: bit 63 comes down as -1 & 1 = 1
-    assert ((bits.double().mean(0) - 0.5).abs() < 6 * 0.5 / (1 << 17) ** 0.5).all()
+    lanes = splitmix_words(int(torch.empty((), dtype=torch.int64).random_()), 1 << 16).view(torch.int16)
+    bits = (lanes[:, None].int() >> torch.arange(15)) & 1
+    assert ((bits.double().mean(0) - 0.5).abs() < 6 * 0.5 / (1 << 18) ** 0.5).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
