@@ -103,9 +103,10 @@ def cpu_keep_lanes(seed: int, n: int, threshold: int, width: int) -> Tensor:
     mtrain.cpu_kernels draws and compares them in one pass over the mask, where it is built; the same
     bits come from PyTorch's integer ops elsewhere, so a run's masks do not depend on the C compiler.
 
-    Masks are the largest share of a bfloat16 training step after the matmuls: numpy's PCG64DXSM
-    words, then two integer passes over them and one over the lanes, took 13.1 ms for 4M bfloat16
-    elements, where the C kernel writes the mask in one pass (docs/benchmarks.md)."""
+    Masks were the largest share of a bfloat16 training step after the matmuls: numpy's PCG64DXSM
+    words, then two integer passes over them and one over the lanes, took 2.70 ms for 4M bfloat16
+    elements (2-core AMX host, idle) where the C kernel takes 0.52, and the step ran 1.07-1.08x as
+    fast (float32 1.04x). PyTorch's ops take 5.2 ms (docs/benchmarks.md, "Dropout masks in C")."""
     with torch.profiler.record_function("mtrain::keep_mask"):
         keep = cpu_kernels.keep_mask(seed, n, threshold, 4 if width == 4 else 2)
         if keep is not None:
