@@ -6,6 +6,8 @@ With --softmax, both packed: attention's softmax over rows shorter than 16 padde
 (mtrain.kernels.softmax_rows) against torch's softmax on the rows as they are. With --masks, both
 packed: dropout masks written by mtrain.cpu_kernels in one pass against masks from numpy's
 PCG64DXSM words and three integer passes over them (the masks' cost, not their bits, is compared).
+With --loss (with --bf16), both packed: the loss's row sums and gradient over the bfloat16 logits
+by mtrain.cpu_kernels against PyTorch's passes over chunks of rows.
 
     python benchmarks/packing_ab.py --bf16 --threads 2                 # small shape, bfloat16 autocast
     python benchmarks/packing_ab.py --bf16 --shape base --batches 3    # the paper's base shape
@@ -13,6 +15,7 @@ PCG64DXSM words and three integer passes over them (the masks' cost, not their b
     python benchmarks/packing_ab.py --bf16 --attention --threads 2     # rows to heads against the grid
     python benchmarks/packing_ab.py --bf16 --softmax --threads 2       # padded short softmax rows or not
     python benchmarks/packing_ab.py --bf16 --masks --threads 2         # dropout masks in C or from numpy
+    python benchmarks/packing_ab.py --bf16 --loss --threads 2          # the loss over bf16 logits in C or not
 
 First one step of each from the same weights without dropout: their losses and the largest
 gradient difference relative to the gradient's largest entry (float32: summation order only;
@@ -38,6 +41,7 @@ import train_step as ts  # noqa: E402  (the same shapes, lengths and batches)
 from ab import alternate  # noqa: E402
 
 import mtrain.kernels as kernels  # noqa: E402
+from mtrain import cpu_kernels  # noqa: E402
 import mtrain.loss as loss_module  # noqa: E402
 import mtrain.model as model_module  # noqa: E402
 from mtrain.loss import Objective  # noqa: E402
@@ -86,12 +90,25 @@ def masks(lanes):
     return apply
 
 
+LOSS_KERNELS = (cpu_kernels.cross_entropy_sums, cpu_kernels.cross_entropy_gradient_)
+
+
+def loss_kernels(on: bool):
+    """A variant of the packed step whose loss over bfloat16 logits runs mtrain.cpu_kernels or not."""
+    def apply() -> None:
+        choose(PACKED, HEADS)()
+        declined = (lambda *args: False,) * 2
+        cpu_kernels.cross_entropy_sums, cpu_kernels.cross_entropy_gradient_ = LOSS_KERNELS if on else declined
+    return apply
+
+
 # Each comparison: {baseline, candidate}, in that order.
 COMPARISONS = {
     "packing": {"padded": choose(PADDED, HEADS), "packed": choose(PACKED, HEADS)},
     "attention": {"grid": choose(PACKED, ()), "heads": choose(PACKED, HEADS)},
     "softmax": {"unpadded": softmax(TORCH_SOFTMAX), "padded": softmax(SOFTMAX)},
     "masks": {"numpy": masks(numpy_lanes), "c": masks(kernels.cpu_keep_lanes)},
+    "loss": {"chunks": loss_kernels(False), "c": loss_kernels(True)},
 }
 
 
@@ -167,10 +184,12 @@ def main(argv: list[str] | None = None) -> dict:
                         help="both packed: short softmax rows padded to 16 against as they are")
     parser.add_argument("--masks", action="store_true",
                         help="both packed: dropout masks by mtrain.cpu_kernels against from numpy's words")
+    parser.add_argument("--loss", action="store_true",
+                        help="both packed: the loss over bfloat16 logits by mtrain.cpu_kernels against by chunks")
     args = parser.parse_args(argv)
     cfg, batches, lengths = step_batches(args)
-    variants = COMPARISONS["masks" if args.masks else "softmax" if args.softmax else "attention" if args.attention
-                           else "packing"]
+    variants = COMPARISONS["loss" if args.loss else "masks" if args.masks else "softmax" if args.softmax
+                           else "attention" if args.attention else "packing"]
     baseline, candidate = variants
     check = parity(cfg, batches[0], args.bf16, variants)
     print(f"one step, no dropout: loss {baseline} {check['loss'][baseline]:.6f}, {candidate} "

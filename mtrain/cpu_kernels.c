@@ -450,3 +450,59 @@ int mtrain_keep_mask(uint64_t seed, int64_t n, int64_t threshold, int64_t width,
   }
   return 0;
 }
+
+/* ---- label-smoothed cross-entropy over bfloat16 logits ------------------------------------------
+
+   mtrain_ce_sums: per row r of x (rows, V) bfloat16, row stride `stride`: sums[r] = the sum of
+   exp(x[r, j]) over the row, no maximum taken out (the caller sums again, shifted, the rows whose log
+   falls outside the range where that is exact to float32 rounding), and where means is not NULL,
+   means[r] = the row's mean. One read of the row, where PyTorch took an upcast copy, a mean, an
+   exp in place and a sum over each chunk of rows.
+
+   mtrain_ce_grad: x's rows overwritten, in place, with the loss's gradient in bfloat16:
+   g * exp(x - lse[r]) - low, and at column target[r] that minus picked in addition (g the loss's
+   gradient, low = g * eps / V, picked = g * (1 - eps)); each value rounded once. */
+
+int mtrain_ce_sums(const uint16_t *x, int64_t rows, int64_t V, int64_t stride, float *sums, float *means,
+                   int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t r = 0; r < rows; r++) {
+    const uint16_t *row = x + r * stride;
+    f32x16 exps = splat(0.0f), values = splat(0.0f);
+    int64_t j = 0;
+    for (; j + 16 <= V; j += 16) {
+      f32x16 v = load_bf16x16(row + j);
+      exps += exp16(v);
+      values += v;
+    }
+    float e = 0.0f, m = 0.0f;
+    for (int i = 0; i < 16; i++) {
+      e += exps[i];
+      m += values[i];
+    }
+    for (; j < V; j++) {
+      float v = bf16_to_float(row[j]);
+      e += expf(v);
+      m += v;
+    }
+    sums[r] = e;
+    if (means) means[r] = m / (float)V;
+  }
+  return 0;
+}
+
+int mtrain_ce_grad(uint16_t *x, int64_t rows, int64_t V, int64_t stride, const float *lse, const int64_t *target,
+                   float g, float low, float picked, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t r = 0; r < rows; r++) {
+    uint16_t *row = x + r * stride;
+    const float l = lse[r];
+    const int64_t t = target[r];
+    const float at_target = g * expf(bf16_to_float(row[t]) - l) - low - picked;
+    int64_t j = 0;
+    for (; j + 16 <= V; j += 16) store_bf16x16(row + j, exp16(load_bf16x16(row + j) - l) * g - low);
+    for (; j < V; j++) row[j] = float_to_bf16(g * expf(bf16_to_float(row[j]) - l) - low);
+    if (t >= 0 && t < V) row[t] = float_to_bf16(at_target);
+  }
+  return 0;
+}

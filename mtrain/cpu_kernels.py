@@ -150,6 +150,8 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.mtrain_cache_attention.restype = ctypes.c_int
     lib.mtrain_topk_logsumexp.restype = ctypes.c_int
     lib.mtrain_keep_mask.restype = ctypes.c_int
+    lib.mtrain_ce_sums.restype = ctypes.c_int
+    lib.mtrain_ce_grad.restype = ctypes.c_int
     return lib, f"on: {path}"
 
 
@@ -228,4 +230,44 @@ def keep_mask(seed: int, n: int, threshold: int, width: int) -> Tensor | None:
                                   ctypes.c_int64(width), ctypes.c_void_p(out.data_ptr()),
                                   ctypes.c_int(torch.get_num_threads()))
     return None if failed else out
+
+
+def _bfloat16_rows(x: Tensor) -> bool:
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
+
+
+def cross_entropy_sums(logits: Tensor, sums: Tensor, means: Tensor | None) -> bool:
+    """For (n, V) bfloat16 logits on a CPU: each row's sum of exp (no maximum taken out) into the
+    float32 (n,) `sums`, and its mean into `means` when given. False (nothing written) where the
+    kernel is not loaded or the tensors do not fit it."""
+    lib = library()
+    n, V = logits.shape if logits.dim() == 2 else (0, 0)
+    if lib is None or not _bfloat16_rows(logits):
+        return False
+    if any(t is not None and (t.dtype != torch.float32 or t.shape != (n,) or not t.is_contiguous()) for t in (sums, means)):
+        return False
+    lib.mtrain_ce_sums(ctypes.c_void_p(logits.data_ptr()), ctypes.c_int64(n), ctypes.c_int64(V),
+                       ctypes.c_int64(logits.stride(0)), ctypes.c_void_p(sums.data_ptr()),
+                       None if means is None else ctypes.c_void_p(means.data_ptr()), ctypes.c_int(torch.get_num_threads()))
+    return True
+
+
+def cross_entropy_gradient_(logits: Tensor, lse: Tensor, target: Tensor, g: float, eps: float) -> bool:
+    """Overwrite (n, V) bfloat16 logits on a CPU with the label-smoothed loss's gradient,
+    g * softmax(x) - g * eps / V, minus g * (1 - eps) more at each row's target, from each row's
+    float32 log-sum-exp `lse`. False (nothing written) where the kernel is not loaded or the tensors
+    do not fit it."""
+    lib = library()
+    if lib is None or not _bfloat16_rows(logits):
+        return False
+    n, V = logits.shape
+    if lse.dtype != torch.float32 or lse.shape != (n,) or not lse.is_contiguous():
+        return False
+    if target.dtype != torch.int64 or target.shape != (n,) or not target.is_contiguous():
+        return False
+    lib.mtrain_ce_grad(ctypes.c_void_p(logits.data_ptr()), ctypes.c_int64(n), ctypes.c_int64(V),
+                       ctypes.c_int64(logits.stride(0)), ctypes.c_void_p(lse.data_ptr()),
+                       ctypes.c_void_p(target.data_ptr()), ctypes.c_float(g), ctypes.c_float(g * eps / V),
+                       ctypes.c_float(g * (1.0 - eps)), ctypes.c_int(torch.get_num_threads()))
+    return True
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from mtrain import cpu_kernels
 from mtrain.kernels import PLAIN_EXP_FLOOR, logsumexp_
 from mtrain.packing import ROW_MULTIPLE, Packing
 
@@ -230,7 +231,10 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         # Elsewhere the maxima go first, as finding those rows would stop the host until the device
         # catches up.
         peak = None if _plain_sums(logits.device) else logits.new_empty(n, 1, dtype=wide)
-        for rows in _row_chunks(n, logits.size(1), logits.device):
+        # bfloat16 on a CPU: mtrain.cpu_kernels reads each row once for both (where it is built)
+        chunks = [] if peak is None and cpu_kernels.cross_entropy_sums(logits[:n], sums, mean) else \
+            _row_chunks(n, logits.size(1), logits.device)
+        for rows in chunks:
             x = logits[rows] if in_place else logits[rows].to(wide, copy=True)
             if eps:
                 torch.mean(x, 1, out=mean[rows])
@@ -272,7 +276,10 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         minus_picked = (-(1.0 - eps) * g).expand(rows_per_chunk)
         floor = g * (eps / vocab)
         row_scale = None if inverse_sums is None else inverse_sums.mul_(g)[:, None]
-        for rows in _row_chunks(n, vocab, lse.device):
+        chunks = _row_chunks(n, vocab, lse.device)
+        if row_scale is None and cpu_kernels.cross_entropy_gradient_(logits[:n], lse, target, float(g), eps):
+            chunks = []  # bfloat16 on a CPU: mtrain.cpu_kernels wrote the gradient over the logits
+        for rows in chunks:
             if row_scale is not None:  # the logits hold exp(x - c): g * softmax(x) is one multiply
                 grad = logits[rows].mul_(row_scale[rows])
             else:

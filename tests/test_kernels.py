@@ -83,6 +83,53 @@ def test_fused_loss_holds_where_plain_sums_of_exp_would_not(monkeypatch, dtype, 
         torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.abs().max().item())
 
 
+needs_cpu_kernels = pytest.mark.skipif(cpu_kernels.library() is None, reason=f"kernel not built: {cpu_kernels.status}")
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("vocab", [16, 1003])
+def test_cross_entropy_kernels_equal_the_formulas_in_float64(vocab):
+    """Row sums of exp and means of bfloat16 logits to float32 rounding; the gradient written over
+    them, g softmax(x) - g eps / V with g (1 - eps) more off the target, to bfloat16 rounding of the
+    float64 value (and float32's of the terms that cancel in it), over a vocabulary inside and across
+    the kernel's blocks of 16."""
+    gen = torch.Generator().manual_seed(4)
+    logits = (torch.randn(37, vocab, generator=gen) * 3).bfloat16()
+    target = torch.randint(0, vocab, (37,), generator=gen)
+    sums, means = torch.empty(37), torch.empty(37)
+    assert cpu_kernels.cross_entropy_sums(logits, sums, means)
+    x = logits.double()
+    torch.testing.assert_close(sums.double(), x.exp().sum(1), rtol=1e-5, atol=0)
+    torch.testing.assert_close(means.double(), x.mean(1), rtol=1e-5, atol=1e-6)
+    lse, g, eps = x.logsumexp(1), -0.37, 0.1
+    want = g * (x - lse[:, None]).exp() - g * eps / vocab
+    want[torch.arange(37), target] -= g * (1 - eps)
+    assert cpu_kernels.cross_entropy_gradient_(logits, lse.float(), target, g, eps)
+    terms = abs(g) * ((x - lse[:, None]).exp() + eps / vocab)  # float32 rounds these before they cancel
+    assert ((logits.double() - want).abs() <= want.abs() * 2 ** -8 + terms * 2 ** -20).all()
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("shift", [0.0, 85.0, 300.0, -300.0])
+def test_bfloat16_loss_by_the_kernels_equals_pytorchs_chunks(monkeypatch, eps, shift):
+    """Under bfloat16 autocast the fused loss's row sums and gradient come from mtrain.cpu_kernels:
+    the loss and NLL of PyTorch's chunked passes to float32 rounding, the gradients to bfloat16's,
+    also with a row moved out of the range where sums without the maximum hold (summed again)."""
+    states, weight, target = problem(n=70, d=16, vocab=1003, dtype=torch.float32)
+    weight[:, -1] = 1.0
+    states[5, -1] = shift
+    kernel = both(states, weight, target, eps, True, autocast=True)
+    monkeypatch.setattr(cpu_kernels, "cross_entropy_sums", lambda *args: False)
+    monkeypatch.setattr(cpu_kernels, "cross_entropy_gradient_", lambda *args: False)
+    chunks = both(states, weight, target, eps, True, autocast=True)
+    for a, b in zip(kernel[:2], chunks[:2]):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
+    for a, b in zip(kernel[2:], chunks[2:]):
+        assert ((a - b).norm() / b.norm()).item() < 1e-2
+
+
 def test_projection_matmuls_see_row_counts_rounded_up():
     """Every matmul of the fused loss, forward and backward, has a multiple of ROW_MULTIPLE rows in
     the token dimension, whatever the token count: so a run meets a bounded set of shapes."""
