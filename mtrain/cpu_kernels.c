@@ -4,9 +4,12 @@
    mtrain_cache_attention: attention of a few queries per (row, head) over a decoding cache.
    mtrain_topk_logsumexp: per row of bfloat16 logits, the k largest values with their columns and
    the log of the sum of the exponentials of all of them, in one pass.
+   mtrain_keep_mask: a dropout mask from splitmix64 words, in one pass.
+   mtrain_ce_sums, mtrain_ce_grad: the label-smoothed loss's row sums over bfloat16 logits, and its
+   gradient written over them.
 
    Built without -ffast-math on purpose: that flag links code that sets flush-to-zero for the whole
-   process at load time. exp16 below is the one vector exponential both kernels use. */
+   process at load time. exp16 below is the one vector exponential the kernels use. */
 
 #include <float.h>
 #include <math.h>

@@ -1,6 +1,8 @@
-"""Decoding kernels for a bfloat16 model on a CPU, in C (cpu_kernels.c), which mtrain builds with
-the C compiler once per machine, into the user's cache folder, and calls through ctypes: attention
-over the cache, and the logits' top-k with log-sum-exp.
+"""CPU kernels in C (cpu_kernels.c), which mtrain builds with the C compiler once per machine, into
+the user's cache folder, and calls through ctypes. For a bfloat16 model's decoding: attention over
+the cache, and the logits' top-k with log-sum-exp. For training: dropout masks (keep_mask), and the
+label-smoothed loss's row sums and gradient over bfloat16 logits (cross_entropy_sums,
+cross_entropy_gradient_); each has a PyTorch path where the file is not built, the masks bit for bit.
 
 **Attention over the cache** (`attend`). At a decoding step each (sentence, head) has one query
 (greedy) or a few (beam search folds a sentence's beams into one row) over a few dozen keys.
@@ -26,8 +28,8 @@ The file is built with -march=native (the library's name carries a hash of the s
 the CPU's feature flags and the OpenMP runtime) and OpenMP, linked by path to the runtime torch runs
 on (openmp_runtime: sentencepiece and CTranslate2 bundle libgomps of their own), and never with
 -ffast-math (which would set flush-to-zero for the whole process). Without a C compiler, where the
-build fails, or with MTRAIN_CPU_KERNELS=0, nothing is built and decoding runs as it otherwise does;
-`status` says which. docs/benchmarks.md has the measurements."""
+build fails, or with MTRAIN_CPU_KERNELS=0, nothing is built and decoding and training run on
+PyTorch's ops; `status` says which. docs/benchmarks.md has the measurements."""
 
 from __future__ import annotations
 
