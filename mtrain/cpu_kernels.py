@@ -137,7 +137,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         path = library_path(cache_dir(), cc, runtime)
         failed = None
         if not path.exists():
-            print(f"mtrain: building the CPU decoding kernels into {path} (once per machine)", file=sys.stderr)
+            print(f"mtrain: building its CPU kernels into {path} (once per machine)", file=sys.stderr)
             failed = build(path, cc, runtime)
     except RuntimeError:
         return None, "off: no home folder to keep it in (set XDG_CACHE_HOME)"
