@@ -203,11 +203,11 @@ def topk_logsumexp(logits: Tensor, k: int, normaliser: bool = True) -> tuple[Ten
     descending, their columns (int64; of equal values the first column first), and each row's log
     sum exp over all V as (n, 1) float32 (None without `normaliser`: no exponentials are taken).
     None where the kernel is not loaded or k is out of its range."""
-    lib = library()
     n, V = logits.shape
-    if lib is None or logits.dtype != torch.bfloat16 or logits.device.type != "cpu" or logits.stride(1) != 1:
-        return None
-    if not 1 <= k <= min(MAX_TOP, V):
+    if logits.dtype != torch.bfloat16 or logits.device.type != "cpu" or logits.stride(1) != 1:
+        return None  # before library(): other devices and dtypes never build it
+    lib = library()
+    if lib is None or not 1 <= k <= min(MAX_TOP, V):
         return None
     top = torch.empty(n, k)
     ids = torch.empty(n, k, dtype=torch.long)
@@ -242,11 +242,13 @@ def cross_entropy_sums(logits: Tensor, sums: Tensor, means: Tensor | None) -> bo
     """For (n, V) bfloat16 logits on a CPU: each row's sum of exp (no maximum taken out) into the
     float32 (n,) `sums`, and its mean into `means` when given. False (nothing written) where the
     kernel is not loaded or the tensors do not fit it."""
-    lib = library()
-    n, V = logits.shape if logits.dim() == 2 else (0, 0)
-    if lib is None or not _bfloat16_rows(logits):
+    if not _bfloat16_rows(logits):  # before library(): other devices and dtypes never build it
         return False
+    n, V = logits.shape
     if any(t is not None and (t.dtype != torch.float32 or t.shape != (n,) or not t.is_contiguous()) for t in (sums, means)):
+        return False
+    lib = library()
+    if lib is None:
         return False
     lib.mtrain_ce_sums(ctypes.c_void_p(logits.data_ptr()), ctypes.c_int64(n), ctypes.c_int64(V),
                        ctypes.c_int64(logits.stride(0)), ctypes.c_void_p(sums.data_ptr()),
@@ -259,13 +261,15 @@ def cross_entropy_gradient_(logits: Tensor, lse: Tensor, target: Tensor, g: floa
     g * softmax(x) - g * eps / V, minus g * (1 - eps) more at each row's target, from each row's
     float32 log-sum-exp `lse`. False (nothing written) where the kernel is not loaded or the tensors
     do not fit it."""
-    lib = library()
-    if lib is None or not _bfloat16_rows(logits):
+    if not _bfloat16_rows(logits):  # before library(): other devices and dtypes never build it
         return False
     n, V = logits.shape
     if lse.dtype != torch.float32 or lse.shape != (n,) or not lse.is_contiguous():
         return False
     if target.dtype != torch.int64 or target.shape != (n,) or not target.is_contiguous():
+        return False
+    lib = library()
+    if lib is None:
         return False
     lib.mtrain_ce_grad(ctypes.c_void_p(logits.data_ptr()), ctypes.c_int64(n), ctypes.c_int64(V),
                        ctypes.c_int64(logits.stride(0)), ctypes.c_void_p(lse.data_ptr()),

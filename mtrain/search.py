@@ -177,10 +177,11 @@ def step_logits(model: Decoder, tokens: Tensor, memory: Any, src: Tensor, cache,
 
 
 def _float_unless_bfloat16(upcast):
-    """upcast, except for bfloat16 blocks where mtrain.cpu_kernels loads (asked only when one comes:
-    float32 decoding never builds the kernels)."""
+    """upcast, except for bfloat16 blocks on a CPU where mtrain.cpu_kernels loads (asked only when one
+    comes: float32 decoding, and decoding on a GPU, never build the kernels)."""
     def cast(block: Tensor) -> Tensor:
-        return block if block.dtype == torch.bfloat16 and cpu_kernels.library() is not None else upcast(block)
+        native = block.dtype == torch.bfloat16 and block.device.type == "cpu" and cpu_kernels.library() is not None
+        return block if native else upcast(block)
 
     return cast
 

@@ -109,6 +109,21 @@ def test_cross_entropy_kernels_equal_the_formulas_in_float64(vocab):
     assert ((logits.double() - want).abs() <= want.abs() * 2 ** -8 + terms * 2 ** -20).all()
 
 
+def test_kernels_are_never_built_for_other_devices_or_dtypes(monkeypatch):
+    """The loss and beam search ask mtrain.cpu_kernels for their passes whatever the device (a GPU's
+    bfloat16 logits too): for anything but bfloat16 rows on a CPU the answer is no, before the
+    library is loaded or built."""
+    def no_build():
+        raise AssertionError("library() called")
+
+    monkeypatch.setattr(cpu_kernels, "library", no_build)
+    lse, target = torch.zeros(3), torch.zeros(3, dtype=torch.int64)
+    for logits in (torch.empty(3, 16, dtype=torch.bfloat16, device="meta"), torch.zeros(3, 16)):
+        assert not cpu_kernels.cross_entropy_sums(logits, torch.zeros(3), None)
+        assert not cpu_kernels.cross_entropy_gradient_(logits, lse, target, 1.0, 0.1)
+        assert cpu_kernels.topk_logsumexp(logits, 2) is None  # beam search's, on a GPU's bfloat16 logits
+
+
 @needs_cpu_kernels
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 @pytest.mark.parametrize("shift", [0.0, 85.0, 300.0, -300.0])
