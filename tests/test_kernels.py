@@ -113,6 +113,8 @@ def test_kernels_are_never_built_for_other_devices_or_dtypes(monkeypatch):
     """The loss and beam search ask mtrain.cpu_kernels for their passes whatever the device (a GPU's
     bfloat16 logits too): for anything but bfloat16 rows on a CPU the answer is no, before the
     library is loaded or built."""
+    from mtrain.search import _float_unless_bfloat16
+
     def no_build():
         raise AssertionError("library() called")
 
@@ -122,6 +124,7 @@ def test_kernels_are_never_built_for_other_devices_or_dtypes(monkeypatch):
         assert not cpu_kernels.cross_entropy_sums(logits, torch.zeros(3), None)
         assert not cpu_kernels.cross_entropy_gradient_(logits, lse, target, 1.0, 0.1)
         assert cpu_kernels.topk_logsumexp(logits, 2) is None  # beam search's, on a GPU's bfloat16 logits
+        assert _float_unless_bfloat16(torch.Tensor.float)(logits).dtype == torch.float32  # the search's blocks
 
 
 @needs_cpu_kernels
