@@ -198,14 +198,24 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor | Non
     return None if failed else out
 
 
+def _bfloat16_rows(x: Tensor) -> bool:
+    """Whether x is (n, V) bfloat16 on a CPU with contiguous rows, as the kernels over logits read it."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
+
+
+def _per_row(x: Tensor, n: int, dtype: torch.dtype) -> bool:
+    """Whether x is a contiguous (n,) tensor of dtype: one value per row of (n, V) logits."""
+    return x.dtype == dtype and x.shape == (n,) and x.is_contiguous()
+
+
 def topk_logsumexp(logits: Tensor, k: int, normaliser: bool = True) -> tuple[Tensor, Tensor, Tensor | None] | None:
     """For (n, V) bfloat16 logits on a CPU (last stride 1): the k largest of each row as float32,
     descending, their columns (int64; of equal values the first column first), and each row's log
     sum exp over all V as (n, 1) float32 (None without `normaliser`: no exponentials are taken).
     None where the kernel is not loaded or k is out of its range."""
+    if not _bfloat16_rows(logits):  # before library(): other devices and dtypes never build it
+        return None
     n, V = logits.shape
-    if logits.dtype != torch.bfloat16 or logits.device.type != "cpu" or logits.stride(1) != 1:
-        return None  # before library(): other devices and dtypes never build it
     lib = library()
     if lib is None or not 1 <= k <= min(MAX_TOP, V):
         return None
@@ -234,10 +244,6 @@ def keep_mask(seed: int, n: int, threshold: int, width: int) -> Tensor | None:
     return None if failed else out
 
 
-def _bfloat16_rows(x: Tensor) -> bool:
-    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
-
-
 def cross_entropy_sums(logits: Tensor, sums: Tensor, means: Tensor | None) -> bool:
     """For (n, V) bfloat16 logits on a CPU: each row's sum of exp (no maximum taken out) into the
     float32 (n,) `sums`, and its mean into `means` when given. False (nothing written) where the
@@ -245,7 +251,7 @@ def cross_entropy_sums(logits: Tensor, sums: Tensor, means: Tensor | None) -> bo
     if not _bfloat16_rows(logits):  # before library(): other devices and dtypes never build it
         return False
     n, V = logits.shape
-    if any(t is not None and (t.dtype != torch.float32 or t.shape != (n,) or not t.is_contiguous()) for t in (sums, means)):
+    if not _per_row(sums, n, torch.float32) or not (means is None or _per_row(means, n, torch.float32)):
         return False
     lib = library()
     if lib is None:
@@ -264,9 +270,7 @@ def cross_entropy_gradient_(logits: Tensor, lse: Tensor, target: Tensor, g: floa
     if not _bfloat16_rows(logits):  # before library(): other devices and dtypes never build it
         return False
     n, V = logits.shape
-    if lse.dtype != torch.float32 or lse.shape != (n,) or not lse.is_contiguous():
-        return False
-    if target.dtype != torch.int64 or target.shape != (n,) or not target.is_contiguous():
+    if not _per_row(lse, n, torch.float32) or not _per_row(target, n, torch.int64):
         return False
     lib = library()
     if lib is None:
