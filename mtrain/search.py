@@ -162,8 +162,8 @@ def step_logits(model: Decoder, tokens: Tensor, memory: Any, src: Tensor, cache,
                 blocks: Float32Blocks | None = None, bfloat16: bool = False) -> Iterator[tuple[int, Tensor]]:
     """Feed one new token per row; yield (first row, float32 logits (n, V) of rows first..first+n-1),
     block after block. The blocks are the caller's to overwrite, until it asks for the next one (with
-    `blocks`, each is upcast into that one buffer; with bfloat16, a bfloat16 model's blocks come as
-    they are). A model with decode_states and project runs the decoder once and the output
+    `blocks`, each is upcast into that one buffer; with bfloat16, a bfloat16 model's blocks on a CPU
+    come as they are where mtrain.cpu_kernels loads). A model with decode_states and project runs the decoder once and the output
     projection block by block; any other, one block of all rows."""
     tgt = tokens.unsqueeze(1)
     if not projects_in_blocks(model):
@@ -217,8 +217,7 @@ def next_token_topk(model: Decoder, tokens: Tensor, memory: Tensor, src: Tensor,
     (step_logits); each row's result depends on that row alone. A bfloat16 model's blocks stay
     bfloat16 where mtrain.cpu_kernels' top-k kernel is loaded (topk_of_logits)."""
     tops, ids = [], []
-    on_cpu = tokens.device.type == "cpu"
-    for first, logits in step_logits(model, tokens, memory, src, cache, blocks, bfloat16=on_cpu):
+    for first, logits in step_logits(model, tokens, memory, src, cache, blocks, bfloat16=True):
         n = logits.size(0)
         top, top_ids = topk_of_logits(logits, forced[first : first + n], k, bans_in(bans, first, n))
         tops.append(top)
@@ -333,7 +332,7 @@ def _decode_token_by_token(model: Decoder, src: Tensor, rules: Constraints, pick
     ended = torch.zeros(B, dtype=torch.bool, device=src.device)  # per row: its sentence has its EOS
     tokens = src.new_full((B,), BOS_ID)
     blocks, sizes = Float32Blocks(), row_sizes(model, src.device)
-    fused = pick is None and src.device.type == "cpu"  # bfloat16 blocks for best_rows
+    fused = pick is None  # bfloat16 blocks for best_rows; sampling's log_softmax wants float32
     for t in range(out.size(1)):
         forced, bans = rules.forced(active, t), rules.bans(out[active, :t])
         picked = []
