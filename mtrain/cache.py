@@ -59,13 +59,11 @@ class LayerCache:
         """Write (rows, H, t, d_head) k and v after the filled positions (applying a pending row
         reorder first); return the keys and values of every position so far: (rows, H, positions,
         d_head) views."""
-        if self.native is None:
-            self.native = cpu_kernels.wanted(k)
         start, end = self.filled, self.filled + k.size(2)
         grow = self.self_k is None or self.capacity() < end
         if grow or self.order is not None:
             capacity = max(32, 2 * end, self.reserved) if grow else self.capacity()
-            dtype = k.dtype if self.native else stored_dtype(k)  # the kernel reads the model's bfloat16
+            dtype = self.kept_dtype(k)
             self.self_k = _regrow(self.self_k, k, capacity, start, self.order, dtype)
             self.self_v = _regrow(self.self_v, v, capacity, start, self.order, dtype)
             self.order = None
@@ -73,6 +71,13 @@ class LayerCache:
         self.self_v[:, :, start:end] = v
         self.filled = end
         return self.self_k[:, :, :end], self.self_v[:, :, :end]
+
+    def kept_dtype(self, k: Tensor) -> torch.dtype:
+        """The dtype keys and values like k are kept in: the model's bfloat16 where mtrain.cpu_kernels
+        attends over them (`native`, decided by the first keys stored), else stored_dtype."""
+        if self.native is None:
+            self.native = cpu_kernels.wanted(k)
+        return k.dtype if self.native else stored_dtype(k)
 
     def capacity(self) -> int:
         """The positions the self-attention buffers hold."""
@@ -96,9 +101,7 @@ class LayerCache:
         """(queries, keys, values) over the source; memory_kv runs on the first call only."""
         if self.cross_k is None:
             k, v = memory_kv(memory)
-            if self.native is None:
-                self.native = cpu_kernels.wanted(k)
-            dtype = k.dtype if self.native else None
+            dtype = self.kept_dtype(k)
             self.cross_k, self.cross_v = stored(k, dtype), stored(v, dtype)
         return self.fold(q), self.cross_k, self.cross_v
 
