@@ -109,6 +109,19 @@ static inline f32x16 exp16(f32x16 x) {
   return p;
 }
 
+/* The sum of v's 16 lanes, lane 0 first, and their maximum. */
+static inline float sum16(f32x16 v) {
+  float total = 0.0f;
+  for (int i = 0; i < 16; i++) total += v[i];
+  return total;
+}
+
+static inline float max16(f32x16 v) {
+  float best = -INFINITY;
+  for (int i = 0; i < 16; i++) best = v[i] > best ? v[i] : best;
+  return best;
+}
+
 /* Bit i set where v[i] > x: one compare into a mask register with AVX-512, else lane by lane. */
 static inline uint32_t above16(f32x16 v, float x) {
 #ifdef __AVX512F__
@@ -166,11 +179,7 @@ static inline f32x16 sum16x16(const f32x16 *x) {
   return out;
 #else
   f32x16 out;
-  for (int j = 0; j < 16; j++) {
-    float total = 0.0f;
-    for (int i = 0; i < 16; i++) total += x[j][i];
-    out[j] = total;
-  }
+  for (int j = 0; j < 16; j++) out[j] = sum16(x[j]);
   return out;
 #endif
 }
@@ -231,8 +240,7 @@ static inline __attribute__((always_inline)) void one_head(
       m = select16(k, x, splat(-INFINITY));
       top = select16(m > top, m, top);
     }
-    float best = -INFINITY;
-    for (int i = 0; i < 16; i++) best = top[i] > best ? top[i] : best;
+    const float best = max16(top);
     if (best == -INFINITY) { /* nothing to attend to */
       for (int64_t s = 0; s < padded; s++) w[s] = 0.0f;
       continue;
@@ -247,9 +255,7 @@ static inline __attribute__((always_inline)) void one_head(
       memcpy(w + s, &e, sizeof e);
       sum += e;
     }
-    float total = 0.0f;
-    for (int i = 0; i < 16; i++) total += sum[i];
-    const float inv = 1.0f / total;
+    const float inv = 1.0f / sum16(sum);
     for (int64_t s = 0; s < padded; s += 16) {
       f32x16 x;
       memcpy(&x, w + s, sizeof x);
@@ -358,11 +364,7 @@ static void topk_row(const uint16_t *x, int64_t V, int k, float *top, int64_t *i
       }
     }
   }
-  float best = -INFINITY, total = 0.0f;
-  for (int i = 0; i < 16; i++) {
-    best = high[i] > best ? high[i] : best;
-    total += sum[i];
-  }
+  float best = max16(high), total = sum16(sum);
   for (; s < V; s++) {
     float val = bf16_to_float(x[s]);
     best = val > best ? val : best;
@@ -385,8 +387,7 @@ static void topk_row(const uint16_t *x, int64_t V, int k, float *top, int64_t *i
       f32x16 acc = splat(0.0f);
       int64_t t = 0;
       for (; t + 16 <= V; t += 16) acc += exp16(load_bf16x16(x + t) - best);
-      float rest = 0.0f;
-      for (int i = 0; i < 16; i++) rest += acc[i];
+      float rest = sum16(acc);
       for (; t < V; t++) rest += expf(bf16_to_float(x[t]) - best);
       *lse = best + logf(rest);
     }
@@ -478,11 +479,7 @@ int mtrain_ce_sums(const uint16_t *x, int64_t rows, int64_t V, int64_t stride, f
       exps += exp16(v);
       values += v;
     }
-    float e = 0.0f, m = 0.0f;
-    for (int i = 0; i < 16; i++) {
-      e += exps[i];
-      m += values[i];
-    }
+    float e = sum16(exps), m = sum16(values);
     for (; j < V; j++) {
       float v = bf16_to_float(row[j]);
       e += expf(v);
