@@ -8,8 +8,10 @@ float32 model):
 - `--compare normaliser`: beam search's log sum exp of each row's logits without the row maxima
   subtracted where that is safe (mtrain.kernels.logsumexp_near_) against always subtracted.
 - `--compare cpu_kernels`: mtrain.cpu_kernels' C kernels (attention over a bfloat16 cache; beam
-  search's top-k and log-sum-exp over the bfloat16 logits) against decoding without them (float32
-  cache, PyTorch's attention, upcast logits).
+  search's top-k and log-sum-exp over the bfloat16 logits; linear layers on AMX) against decoding
+  without them (float32 cache, PyTorch's attention, upcast logits, oneDNN's linear layers).
+- `--compare amx_linear`: the linear layers of decoding steps by mtrain.cpu_kernels.amx_linear
+  against oneDNN's kernel, everything else the same.
 
     python benchmarks/decode_ab.py --threads 2                 # greedy, attention
     python benchmarks/decode_ab.py --beam 5 --threads 2 --json
@@ -42,6 +44,7 @@ import torch  # noqa: E402
 
 import mtrain.cache as cache_module  # noqa: E402
 import mtrain.model as model_module  # noqa: E402
+import mtrain.quantize as quantize_module  # noqa: E402
 import mtrain.search as search_module  # noqa: E402
 from mtrain import cpu_kernels  # noqa: E402
 from mtrain.hardware import cpu_has_native_bf16, machine_record  # noqa: E402
@@ -62,10 +65,11 @@ class _Off:
     wanted = staticmethod(lambda x: False)
     attend = staticmethod(lambda *args: None)
     topk_logsumexp = staticmethod(lambda *args: None)
+    AMX_LINEAR = False
 
 
 def _kernels(module):
-    return lambda: (setattr(cache_module, "cpu_kernels", module), setattr(search_module, "cpu_kernels", module))
+    return lambda: [setattr(user, "cpu_kernels", module) for user in (cache_module, search_module, quantize_module)]
 
 
 # Each comparison: {baseline, candidate}, in that order; each variant sets what it changes.
@@ -77,6 +81,7 @@ COMPARISONS = {
     "folded": {"kernel": setter(model_module, "CACHE_ATTENTION_QUERIES", 1),
                "matmuls": setter(model_module, "CACHE_ATTENTION_QUERIES", 64)},
     "cpu_kernels": {"torch": _kernels(_Off), "c": _kernels(cpu_kernels)},
+    "amx_linear": {"onednn": setter(cpu_kernels, "AMX_LINEAR", False), "amx": setter(cpu_kernels, "AMX_LINEAR", True)},
     "normaliser": {"shifted": setter(search_module, "NORMALISER", logsumexp_),
                    "unshifted": setter(search_module, "NORMALISER", logsumexp_near_)},
 }

@@ -7,6 +7,7 @@
    mtrain_keep_mask: a dropout mask from splitmix64 words, in one pass.
    mtrain_ce_sums, mtrain_ce_grad: the label-smoothed loss's row sums over bfloat16 logits, and its
    gradient written over them.
+   mtrain_amx_linear: a bfloat16 linear layer (bias, optional ReLU) on the AMX tile units.
 
    Built without -ffast-math on purpose: that flag links code that sets flush-to-zero for the whole
    process at load time. exp16 below is the one vector exponential the kernels use. */
@@ -506,3 +507,136 @@ int mtrain_ce_grad(uint16_t *x, int64_t rows, int64_t V, int64_t stride, const f
   }
   return 0;
 }
+
+/* ---- linear layers on AMX -----------------------------------------------------------------------
+
+   out (M, N) = x (M, K) W^T + bias, optionally through a ReLU, for bfloat16 x and W on a CPU with
+   AMX-BF16: the tile units multiply a 16 x 32 block of x by a 32 x 16 block of W into 16 x 16
+   float32 sums in one instruction. W is packed once (mtrain.cpu_kernels.amx_pack) into the tiles'
+   layout: for each 16 outputs and 32 inputs, 16 rows of 16 output pairs of consecutive inputs.
+   Each thread computes 32 x 32 blocks of out, in four accumulator tiles over the K/32 steps, and
+   rounds them to bfloat16 once, after the bias (and ReLU) in float32. The blocks are dealt out
+   outputs first, rows inside, so a thread's consecutive blocks share their weights.
+
+   Rows are x's, `xs` elements apart; out's rows `os` apart. A last block of fewer than 32 rows
+   is read from a zero-padded copy. K must be a multiple of 32 and N of 32 (-1 otherwise, as
+   without AMX or when the kernel may not use the tiles). */
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+struct tile_config {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+static int amx_permitted(void) {
+  static int permitted = -1; /* the kernel grants it for the whole process; asking again is harmless */
+  if (permitted < 0) permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  return permitted;
+}
+
+static void amx_configure(void) {
+  struct tile_config config;
+  memset(&config, 0, sizeof config);
+  config.palette = 1;
+  for (int t = 0; t < 8; t++) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+/* One 32 x 32 block: rows x[0..31] (stride xs), the packed weights of outputs n .. n + 31. */
+static inline void amx_block(const uint16_t *x, int64_t xs, const uint16_t *w0, const uint16_t *w1, int64_t K,
+                             float *sums) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t k = 0; k < K; k += 32) {
+    _tile_loadd(4, x + k, xs * 2);
+    _tile_loadd(5, x + 16 * xs + k, xs * 2);
+    _tile_loadd(6, w0 + k * 16, 64);
+    _tile_loadd(7, w1 + k * 16, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, sums, 128);
+  _tile_stored(1, sums + 16, 128);
+  _tile_stored(2, sums + 16 * 32, 128);
+  _tile_stored(3, sums + 16 * 32 + 16, 128);
+}
+
+/* 1 where the tile units may be used: built for them and granted by the kernel. */
+int mtrain_amx_ready(void) { return amx_permitted(); }
+
+int mtrain_amx_linear(const uint16_t *x, int64_t xs, const uint16_t *w, const uint16_t *bias, int relu,
+                      uint16_t *out, int64_t os, int64_t M, int64_t N, int64_t K, int threads) {
+  if (M < 1 || K < 32 || K % 32 || N % 32 || !amx_permitted()) return -1;
+  const int64_t row_blocks = (M + 31) / 32, pairs = N / 32;
+  /* Consecutive blocks share the smaller operand, read again from the cache for each: the weights
+     (by_rows: a block of rows at a time, every output) where they are smaller than x, else x. */
+  const int by_rows = N <= M;
+  int failed = 0;
+#pragma omp parallel num_threads(threads)
+  {
+    amx_configure();
+    float sums[32 * 32] __attribute__((aligned(64)));
+    uint16_t *tail = NULL; /* the last rows, zero-padded to 32: copied once per thread that needs them */
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < pairs * row_blocks; i++) {
+      const int64_t n = (by_rows ? i % pairs : i / row_blocks) * 32;
+      const int64_t m = (by_rows ? i / pairs : i % row_blocks) * 32, rows = M - m < 32 ? M - m : 32;
+      const uint16_t *rows_x = x + m * xs;
+      int64_t stride = xs;
+      if (rows < 32) {
+        if (!tail) {
+          tail = calloc(32 * K, sizeof(uint16_t));
+          if (!tail) { /* no memory: the caller falls back to another kernel */
+#pragma omp atomic write
+            failed = 1;
+            continue;
+          }
+          for (int64_t r = 0; r < rows; r++) memcpy(tail + r * K, rows_x + r * xs, sizeof(uint16_t) * K);
+        }
+        rows_x = tail;
+        stride = K;
+      }
+      amx_block(rows_x, stride, w + n * K, w + (n + 16) * K, K, sums);
+      const __m512 b0 = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                   _mm256_loadu_si256((const __m256i *)(bias + n))), 16)) : _mm512_setzero_ps();
+      const __m512 b1 = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                   _mm256_loadu_si256((const __m256i *)(bias + n + 16))), 16)) : _mm512_setzero_ps();
+      for (int64_t r = 0; r < rows; r++) { /* bias, ReLU, one rounding to nearest even for 32 values */
+        __m512 lo = _mm512_add_ps(_mm512_load_ps(sums + 32 * r), b0);
+        __m512 hi = _mm512_add_ps(_mm512_load_ps(sums + 32 * r + 16), b1);
+        if (relu) {
+          lo = _mm512_max_ps(lo, _mm512_setzero_ps());
+          hi = _mm512_max_ps(hi, _mm512_setzero_ps());
+        }
+        _mm512_storeu_si512(out + (m + r) * os + n, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
+    }
+    _tile_release();
+    free(tail);
+  }
+  return failed ? -1 : 0;
+}
+#else
+int mtrain_amx_ready(void) { return 0; }
+
+int mtrain_amx_linear(const uint16_t *x, int64_t xs, const uint16_t *w, const uint16_t *bias, int relu,
+                      uint16_t *out, int64_t os, int64_t M, int64_t N, int64_t K, int threads) {
+  (void)x, (void)xs, (void)w, (void)bias, (void)relu, (void)out, (void)os, (void)M, (void)N, (void)K, (void)threads;
+  return -1;
+}
+#endif

@@ -57,6 +57,10 @@ HEAD_SIZES = (32, 64, 128)  # the d_head values the kernel is built for
 MAX_QUERIES = 8  # per (row, head)
 MAX_KEYS = 4096
 MAX_TOP = 32  # the most values topk_logsumexp keeps per row
+# The most rows amx_linear multiplies; above, oneDNN's kernel, which blocks for large problems, was
+# as fast or faster (1575 x 256 -> 768: 1.11x for the tiles, 1024 -> 256: 0.92x; docs/benchmarks.md).
+AMX_MAX_ROWS = 1024
+AMX_LINEAR = True  # False: bfloat16 decoding's linear layers stay with oneDNN (benchmarks/decode_ab.py)
 
 status = "not tried yet"
 
@@ -154,6 +158,8 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.mtrain_keep_mask.restype = ctypes.c_int
     lib.mtrain_ce_sums.restype = ctypes.c_int
     lib.mtrain_ce_grad.restype = ctypes.c_int
+    lib.mtrain_amx_ready.restype = ctypes.c_int
+    lib.mtrain_amx_linear.restype = ctypes.c_int
     return lib, f"on: {path}"
 
 
@@ -281,3 +287,49 @@ def cross_entropy_gradient_(logits: Tensor, lse: Tensor, target: Tensor, g: floa
                        ctypes.c_float(g * (1.0 - eps)), ctypes.c_int(torch.get_num_threads()))
     return True
 
+
+
+@functools.cache
+def amx_ready() -> bool:
+    """Whether amx_linear runs here: the library loads, was built for AMX-BF16, and the kernel lets
+    this process use the tile registers."""
+    lib = library()
+    return lib is not None and lib.mtrain_amx_ready() == 1
+
+
+def amx_pack(weight: Tensor) -> Tensor:
+    """A (N, K) bfloat16 weight in the layout amx_linear reads: for each 16 outputs and 32 inputs, a
+    tile of 16 rows, each the 16 outputs' pairs of consecutive inputs (N and K multiples of 32)."""
+    N, K = weight.shape
+    return weight.detach().view(N // 16, 16, K // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def amx_takes(x: Tensor, out_features: int) -> bool:
+    """Whether amx_linear takes x (..., K) to out_features outputs: bfloat16 rows on a CPU with a last
+    stride of 1, K and N multiples of 32, at most AMX_MAX_ROWS rows, and the tiles usable here."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() < 1 or x.stride(-1) != 1:
+        return False
+    K = x.size(-1)
+    rows = x.numel() // K if K else 0
+    return (K % 32 == 0 and K > 0 and out_features % 32 == 0 and 0 < rows <= AMX_MAX_ROWS
+            and amx_ready())
+
+
+def amx_linear(x: Tensor, packed: Tensor, bias: Tensor | None, relu: bool) -> Tensor | None:
+    """x W^T + bias (then ReLU where `relu`) for x (..., K) that amx_takes, with W packed by
+    amx_pack and a bfloat16 bias or none; bfloat16 (..., N), each value rounded once from its
+    float32 sum. None where the kernel declines (x's rows not evenly strided, no memory)."""
+    K = x.size(-1)
+    N = packed.size(0) * 16
+    rows = x.reshape(-1, K)  # a view wherever the rows are evenly strided
+    if rows.size(0) > 1 and rows.stride(1) != 1:
+        return None
+    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+        return None
+    out = torch.empty(rows.size(0), N, dtype=torch.bfloat16)
+    failed = library().mtrain_amx_linear(
+        ctypes.c_void_p(rows.data_ptr()), ctypes.c_int64(rows.stride(0)), ctypes.c_void_p(packed.data_ptr()),
+        None if bias is None else ctypes.c_void_p(bias.data_ptr()), ctypes.c_int(relu),
+        ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(N), ctypes.c_int64(rows.size(0)), ctypes.c_int64(N),
+        ctypes.c_int64(K), ctypes.c_int(torch.get_num_threads()))
+    return None if failed else out.view(*x.shape[:-1], N)

@@ -21,6 +21,7 @@ import warnings
 import torch
 from torch import nn
 
+from mtrain import cpu_kernels
 from mtrain.errors import MtrainError
 from mtrain.hardware import cpu_has_vnni
 from mtrain.kernels import onednn_linear_runs
@@ -131,7 +132,14 @@ class OneDNNLinear(nn.Linear):
     took 95 us instead of 142, the 256 x 8000 projection 563 instead of 764, with the same result,
     and bfloat16 greedy decoding ran 1.06x, beam 5 1.03x as fast (docs/benchmarks.md). The packed
     copy costs the weight's memory once more (about 120 MB for the paper's base model in bfloat16).
-    Inference only: with gradients on, it is an nn.Linear (and its activation)."""
+
+    Where the CPU has AMX and mtrain.cpu_kernels loads, up to cpu_kernels.AMX_MAX_ROWS rows (every
+    decoding step; the encoder's larger batches stay with oneDNN) go to cpu_kernels.amx_linear
+    instead, on a second packed copy: oneDNN spends about 20 us on each call before it multiplies,
+    and ran 1024 -> 256 at 315 rows on one of two threads. At decoding's shapes the kernel took
+    10 us where oneDNN took 30 (64 x 256 -> 256) and 101 against 204 (315 x 1024 -> 256), with
+    outputs equal to oneDNN's (docs/benchmarks.md). Inference only: with gradients on, it is an
+    nn.Linear (and its activation)."""
 
     activation = "none"
 
@@ -139,25 +147,35 @@ class OneDNNLinear(nn.Linear):
         if torch.is_grad_enabled():
             y = super().forward(x)
             return torch.relu(y) if self.activation == "relu" else y
+        if cpu_kernels.AMX_LINEAR and cpu_kernels.amx_takes(x, self.out_features):
+            y = cpu_kernels.amx_linear(x, self.packed_weight("amx"), self.bias, self.activation == "relu")
+            if y is not None:
+                return y
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, self.activation, [], "")
 
     def __getstate__(self) -> dict:
-        """Copies and pickles leave the packed weight out (oneDNN's opaque tensor has no storage to
+        """Copies and pickles leave the packed weights out (oneDNN's opaque tensor has no storage to
         copy); they pack their own on first use."""
-        return {key: value for key, value in self.__dict__.items() if key not in ("_packed", "_packed_key")}
+        return {key: value for key, value in self.__dict__.items() if key != "_packings"}
 
-    def packed_weight(self) -> torch.Tensor:
-        """The weight in oneDNN's layout, packed again whenever the weight changed since (a new
-        tensor, or an in-place write, which bumps its version). A weight made under
-        torch.inference_mode has no version to tell an in-place write by: it is packed at every call."""
+    def packed_weight(self, kernel: str = "onednn") -> torch.Tensor:
+        """The weight in the layout of `kernel` (oneDNN's, or cpu_kernels.amx_pack's for "amx"),
+        packed again whenever the weight changed since (a new tensor, or an in-place write, which
+        bumps its version). A weight made under torch.inference_mode has no version to tell an
+        in-place write by: it is packed at every call."""
+        pack = _PACKINGS[kernel]
         weight = self.weight
         if weight.is_inference():
-            return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            return pack(weight)
         key = (weight.data_ptr(), weight.dtype, weight._version)
-        if getattr(self, "_packed_key", None) != key:
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-            self._packed_key = key
-        return self._packed
+        packings = self.__dict__.setdefault("_packings", {})
+        if kernel not in packings or packings[kernel][0] != key:
+            packings[kernel] = key, pack(weight.detach())
+        return packings[kernel][1]
+
+
+_PACKINGS = {"onednn": lambda weight: torch.ops.mkldnn._reorder_linear_weight(weight, None),
+             "amx": cpu_kernels.amx_pack}
 
 
 def _onednn_linears(model: nn.Module) -> None:

@@ -1,0 +1,146 @@
+"""mtrain.cpu_kernels.amx_linear: bfloat16 linear layers on the AMX tile units, against float32
+sums rounded once, on every shape it takes; what it declines; and the decoding copy's layers that
+use it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from mtrain import cpu_kernels, quantize
+from mtrain.config import ModelConfig
+from mtrain.model import Transformer
+from mtrain.quantize import bfloat16_weights
+from mtrain.search import beam_search, greedy_search
+
+needs_amx = pytest.mark.skipif(not cpu_kernels.amx_ready(),
+                               reason=f"no AMX-BF16 here, or the kernels are not built ({cpu_kernels.status})")
+# One rounding to bfloat16 (8 significant bits) moves a value by at most 2^-8 of itself.
+UNIT_ROUNDOFF = 2.0 ** -8
+
+
+def operands(M, K, N, bias=True, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=gen).bfloat16()
+    w = torch.randn(N, K, generator=gen).bfloat16()
+    b = torch.randn(N, generator=gen).bfloat16() if bias else None
+    return x, w, b
+
+
+def assert_rounded_once(got, x, w, b, relu):
+    """got is the float32 sum x W^T + b (ReLU where asked) rounded once to bfloat16: within the
+    rounding's 2^-8 of the value, plus what float32 summation in another order may move it."""
+    exact = x.double() @ w.double().T + (0.0 if b is None else b.double())
+    if relu:
+        exact = exact.clamp_min(0.0)
+    order = 64 * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T)  # float32 sums in any order
+    error = (got.double() - exact).abs()
+    assert got.dtype == torch.bfloat16
+    assert bool((error <= UNIT_ROUNDOFF * exact.abs() * (1 + 2.0 ** -7) + order).all()), error.max()
+
+
+@needs_amx
+@pytest.mark.parametrize("M", [1, 15, 32, 33, 100])
+@pytest.mark.parametrize("K,N", [(32, 32), (64, 96), (1024, 256)])
+@pytest.mark.parametrize("bias,relu", [(True, False), (True, True), (False, False)])
+def test_amx_linear_is_the_float32_sum_rounded_once(M, K, N, bias, relu):
+    x, w, b = operands(M, K, N, bias)
+    got = cpu_kernels.amx_linear(x, cpu_kernels.amx_pack(w), b, relu)
+    assert got.shape == (M, N)
+    assert_rounded_once(got, x, w, b, relu)
+    if relu:
+        assert bool((got >= 0).all())
+
+
+@needs_amx
+def test_amx_linear_reads_strided_rows_and_keeps_leading_dimensions():
+    """Rows that are a view of a wider tensor, and (B, T, K) inputs, give the contiguous rows' result."""
+    x, w, b = operands(70, 64, 64)
+    wide = torch.zeros(70, 96, dtype=torch.bfloat16)
+    wide[:, 16:80] = x
+    packed = cpu_kernels.amx_pack(w)
+    plain = cpu_kernels.amx_linear(x, packed, b, False)
+    assert torch.equal(cpu_kernels.amx_linear(wide[:, 16:80], packed, b, False), plain)
+    assert torch.equal(cpu_kernels.amx_linear(x.view(7, 10, 64), packed, b, False), plain.view(7, 10, 64))
+
+
+@needs_amx
+def test_amx_pack_puts_each_weight_where_the_tiles_read_it():
+    """Tile (n // 16, k // 32) row (k % 32) // 2, column n % 16, element k % 2 holds W[n, k]."""
+    w = torch.arange(64 * 96, dtype=torch.float32).view(64, 96).bfloat16()
+    packed = cpu_kernels.amx_pack(w)
+    for n, k in [(0, 0), (5, 33), (17, 2), (63, 95), (40, 64)]:
+        assert packed[n // 16, k // 32, (k % 32) // 2, n % 16, k % 2] == w[n, k]
+
+
+def test_amx_takes_only_what_the_kernel_is_built_for(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "amx_ready", lambda: True)
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    assert cpu_kernels.amx_takes(x, 96)
+    assert not cpu_kernels.amx_takes(x.float(), 96)  # float32
+    assert not cpu_kernels.amx_takes(torch.zeros(4, 48, dtype=torch.bfloat16), 96)  # K not a multiple of 32
+    assert not cpu_kernels.amx_takes(x, 40)  # N not a multiple of 32
+    assert not cpu_kernels.amx_takes(torch.zeros(64, 4, dtype=torch.bfloat16).T, 96)  # columns strided
+    assert not cpu_kernels.amx_takes(torch.zeros(cpu_kernels.AMX_MAX_ROWS + 1, 64, dtype=torch.bfloat16), 96)
+    assert not cpu_kernels.amx_takes(torch.zeros(4, 64, dtype=torch.bfloat16, device="meta"), 96)
+    monkeypatch.setattr(cpu_kernels, "amx_ready", lambda: False)
+    assert not cpu_kernels.amx_takes(x, 96)
+
+
+@pytest.mark.skipif(not quantize.onednn_linear_runs(torch.bfloat16), reason="this PyTorch has no oneDNN linear")
+@torch.no_grad()
+def test_without_amx_the_decoding_layer_stays_with_onednn(monkeypatch):
+    """Where the tiles cannot be used the layer never packs for them, and gives oneDNN's result."""
+    monkeypatch.setattr(cpu_kernels, "amx_ready", lambda: False)
+    layer = quantize.OneDNNLinear(64, 96).to(torch.bfloat16)
+    x = torch.randn(5, 64).bfloat16()
+    assert torch.equal(layer(x), torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], ""))
+    assert "amx" not in layer.__dict__.get("_packings", {})
+
+
+@needs_amx
+@pytest.mark.parametrize("activation", ["none", "relu"])
+@torch.no_grad()
+def test_the_decoding_layer_uses_the_tiles_and_follows_its_weight(activation):
+    """Up to AMX_MAX_ROWS rows the layer is amx_linear on its weight, packed once while the weight
+    stays the same and again after an in-place change or a new weight; more rows go to oneDNN."""
+    torch.manual_seed(0)
+    layer = quantize.OneDNNLinear(64, 96).to(torch.bfloat16)
+    layer.activation = activation
+    relu = activation == "relu"
+    x = torch.randn(40, 64).bfloat16()
+    assert torch.equal(layer(x), cpu_kernels.amx_linear(x, cpu_kernels.amx_pack(layer.weight), layer.bias, relu))
+    packed = layer.packed_weight("amx")
+    assert layer.packed_weight("amx") is packed
+    layer.weight.mul_(-2.0)
+    assert_rounded_once(layer(x), x, layer.weight, layer.bias, relu)
+    layer.weight = nn.Parameter(torch.randn(96, 64).bfloat16())
+    assert_rounded_once(layer(x), x, layer.weight, layer.bias, relu)
+    assert layer.packed_weight("amx") is not packed
+    copied = copy.deepcopy(layer)  # copies leave every packed weight out and pack their own
+    assert torch.equal(copied(x), layer(x)) and "_packings" not in copy.copy(layer).__getstate__()
+    many = torch.randn(cpu_kernels.AMX_MAX_ROWS + 1, 64).bfloat16()
+    assert torch.equal(layer(many), torch.ops.mkldnn._linear_pointwise(many, layer.weight, layer.bias, activation,
+                                                                      [], ""))
+
+
+@needs_amx
+def test_searches_agree_with_and_without_the_tiles(monkeypatch):
+    """A bfloat16 model whose every decoder layer takes the tiles decodes, greedy and beam, to the same
+    outputs as with oneDNN's layers for nearly every sentence (a different summation order may settle
+    a near-tie otherwise)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=64, d_ff=128, n_heads=2, n_encoder_layers=2, n_decoder_layers=2, vocab_size=64,
+                      dropout=0.0, max_len=64)
+    model = bfloat16_weights(Transformer(cfg).eval())
+    gen = torch.Generator().manual_seed(3)
+    src = torch.randint(4, 64, (12, 10), generator=gen)
+    max_len = torch.full((12,), 12)
+    with_tiles = (greedy_search(model, src, max_len), beam_search(model, src, 4, 0.6, max_len))
+    monkeypatch.setattr(cpu_kernels, "AMX_LINEAR", False)
+    without = (greedy_search(model, src, max_len), beam_search(model, src, 4, 0.6, max_len))
+    assert sum(a == b for a, b in zip(with_tiles[0], without[0])) >= 11
+    assert sum(a[0][0] == b[0][0] for a, b in zip(with_tiles[1], without[1])) >= 11
