@@ -519,8 +519,9 @@ int mtrain_ce_grad(uint16_t *x, int64_t rows, int64_t V, int64_t stride, const f
    outputs first, rows inside, so a thread's consecutive blocks share their weights.
 
    Rows are x's, `xs` elements apart; out's rows `os` apart. A last block of fewer than 32 rows
-   is read from a zero-padded copy. K must be a multiple of 32 and N of 32 (-1 otherwise, as
-   without AMX or when the kernel may not use the tiles). */
+   is read from a zero-padded copy; the packed weight has zero rows up to a multiple of 32
+   outputs, whose sums are never stored. K must be a multiple of 32 (-1 otherwise, as without AMX
+   or when the kernel may not use the tiles). */
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <stdlib.h>
@@ -581,8 +582,8 @@ int mtrain_amx_ready(void) { return amx_permitted(); }
 
 int mtrain_amx_linear(const uint16_t *x, int64_t xs, const uint16_t *w, const uint16_t *bias, int relu,
                       uint16_t *out, int64_t os, int64_t M, int64_t N, int64_t K, int threads) {
-  if (M < 1 || K < 32 || K % 32 || N % 32 || !amx_permitted()) return -1;
-  const int64_t row_blocks = (M + 31) / 32, pairs = N / 32;
+  if (M < 1 || N < 1 || K < 32 || K % 32 || !amx_permitted()) return -1;
+  const int64_t row_blocks = (M + 31) / 32, pairs = (N + 31) / 32;
   /* Consecutive blocks share the smaller operand, read again from the cache for each: the weights
      (by_rows: a block of rows at a time, every output) where they are smaller than x, else x. */
   const int by_rows = N <= M;
@@ -612,10 +613,15 @@ int mtrain_amx_linear(const uint16_t *x, int64_t xs, const uint16_t *w, const ui
         stride = K;
       }
       amx_block(rows_x, stride, w + n * K, w + (n + 16) * K, K, sums);
-      const __m512 b0 = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                   _mm256_loadu_si256((const __m256i *)(bias + n))), 16)) : _mm512_setzero_ps();
-      const __m512 b1 = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                   _mm256_loadu_si256((const __m256i *)(bias + n + 16))), 16)) : _mm512_setzero_ps();
+      /* the outputs n .. n + width - 1 exist; the packed weight's rows past N are zeros */
+      const int64_t width = N - n < 32 ? N - n : 32;
+      const __mmask32 keep = width == 32 ? 0xFFFFFFFFu : (1u << width) - 1;
+      __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+      if (bias) {
+        b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + n)), 16));
+        b1 = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep >> 16, bias + n + 16)), 16));
+      }
       for (int64_t r = 0; r < rows; r++) { /* bias, ReLU, one rounding to nearest even for 32 values */
         __m512 lo = _mm512_add_ps(_mm512_load_ps(sums + 32 * r), b0);
         __m512 hi = _mm512_add_ps(_mm512_load_ps(sums + 32 * r + 16), b1);
@@ -623,7 +629,7 @@ int mtrain_amx_linear(const uint16_t *x, int64_t xs, const uint16_t *w, const ui
           lo = _mm512_max_ps(lo, _mm512_setzero_ps());
           hi = _mm512_max_ps(hi, _mm512_setzero_ps());
         }
-        _mm512_storeu_si512(out + (m + r) * os + n, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        _mm512_mask_storeu_epi16(out + (m + r) * os + n, keep, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
       }
     }
     _tile_release();

@@ -298,29 +298,31 @@ def amx_ready() -> bool:
 
 
 def amx_pack(weight: Tensor) -> Tensor:
-    """A (N, K) bfloat16 weight in the layout amx_linear reads: for each 16 outputs and 32 inputs, a
-    tile of 16 rows, each the 16 outputs' pairs of consecutive inputs (N and K multiples of 32)."""
+    """A (N, K) bfloat16 weight (K a multiple of 32) in the layout amx_linear reads: for each 16
+    outputs and 32 inputs, a tile of 16 rows, each the 16 outputs' pairs of consecutive inputs;
+    zero outputs are added up to a multiple of 32."""
     N, K = weight.shape
-    return weight.detach().view(N // 16, 16, K // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+    padded = -(-N // 32) * 32
+    if padded != N:
+        weight = torch.cat([weight, weight.new_zeros(padded - N, K)])
+    return weight.detach().view(padded // 16, 16, K // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
-def amx_takes(x: Tensor, out_features: int) -> bool:
-    """Whether amx_linear takes x (..., K) to out_features outputs: bfloat16 rows on a CPU with a last
-    stride of 1, K and N multiples of 32, at most AMX_MAX_ROWS rows, and the tiles usable here."""
+def amx_takes(x: Tensor) -> bool:
+    """Whether amx_linear takes x (..., K): bfloat16 rows on a CPU with a last stride of 1, K a
+    multiple of 32, at most AMX_MAX_ROWS rows, and the tiles usable here."""
     if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() < 1 or x.stride(-1) != 1:
         return False
     K = x.size(-1)
-    rows = x.numel() // K if K else 0
-    return (K % 32 == 0 and K > 0 and out_features % 32 == 0 and 0 < rows <= AMX_MAX_ROWS
-            and amx_ready())
+    return K > 0 and K % 32 == 0 and 0 < x.numel() // K <= AMX_MAX_ROWS and amx_ready()
 
 
-def amx_linear(x: Tensor, packed: Tensor, bias: Tensor | None, relu: bool) -> Tensor | None:
-    """x W^T + bias (then ReLU where `relu`) for x (..., K) that amx_takes, with W packed by
-    amx_pack and a bfloat16 bias or none; bfloat16 (..., N), each value rounded once from its
-    float32 sum. None where the kernel declines (x's rows not evenly strided, no memory)."""
-    K = x.size(-1)
-    N = packed.size(0) * 16
+def amx_linear(x: Tensor, packed: Tensor, bias: Tensor | None, relu: bool, out_features: int) -> Tensor | None:
+    """x W^T + bias (then ReLU where `relu`) for x (..., K) that amx_takes, with the (out_features,
+    K) weight W packed by amx_pack and a bfloat16 bias or none; bfloat16 (..., out_features), each
+    value rounded once from its float32 sum. None where the kernel declines (x's rows not evenly
+    strided, no memory)."""
+    K, N = x.size(-1), out_features
     rows = x.reshape(-1, K)  # a view wherever the rows are evenly strided
     if rows.size(0) > 1 and rows.stride(1) != 1:
         return None

@@ -147,8 +147,9 @@ class OneDNNLinear(nn.Linear):
         if torch.is_grad_enabled():
             y = super().forward(x)
             return torch.relu(y) if self.activation == "relu" else y
-        if cpu_kernels.AMX_LINEAR and cpu_kernels.amx_takes(x, self.out_features):
-            y = cpu_kernels.amx_linear(x, self.packed_weight("amx"), self.bias, self.activation == "relu")
+        if cpu_kernels.AMX_LINEAR and cpu_kernels.amx_takes(x):
+            y = cpu_kernels.amx_linear(x, self.packed_weight("amx"), self.bias, self.activation == "relu",
+                                       self.out_features)
             if y is not None:
                 return y
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, self.activation, [], "")

@@ -44,11 +44,11 @@ def assert_rounded_once(got, x, w, b, relu):
 
 @needs_amx
 @pytest.mark.parametrize("M", [1, 15, 32, 33, 100])
-@pytest.mark.parametrize("K,N", [(32, 32), (64, 96), (1024, 256)])
+@pytest.mark.parametrize("K,N", [(32, 32), (64, 96), (1024, 256), (64, 40), (96, 1000)])
 @pytest.mark.parametrize("bias,relu", [(True, False), (True, True), (False, False)])
 def test_amx_linear_is_the_float32_sum_rounded_once(M, K, N, bias, relu):
     x, w, b = operands(M, K, N, bias)
-    got = cpu_kernels.amx_linear(x, cpu_kernels.amx_pack(w), b, relu)
+    got = cpu_kernels.amx_linear(x, cpu_kernels.amx_pack(w), b, relu, N)
     assert got.shape == (M, N)
     assert_rounded_once(got, x, w, b, relu)
     if relu:
@@ -62,32 +62,33 @@ def test_amx_linear_reads_strided_rows_and_keeps_leading_dimensions():
     wide = torch.zeros(70, 96, dtype=torch.bfloat16)
     wide[:, 16:80] = x
     packed = cpu_kernels.amx_pack(w)
-    plain = cpu_kernels.amx_linear(x, packed, b, False)
-    assert torch.equal(cpu_kernels.amx_linear(wide[:, 16:80], packed, b, False), plain)
-    assert torch.equal(cpu_kernels.amx_linear(x.view(7, 10, 64), packed, b, False), plain.view(7, 10, 64))
+    plain = cpu_kernels.amx_linear(x, packed, b, False, 64)
+    assert torch.equal(cpu_kernels.amx_linear(wide[:, 16:80], packed, b, False, 64), plain)
+    assert torch.equal(cpu_kernels.amx_linear(x.view(7, 10, 64), packed, b, False, 64), plain.view(7, 10, 64))
 
 
-@needs_amx
 def test_amx_pack_puts_each_weight_where_the_tiles_read_it():
-    """Tile (n // 16, k // 32) row (k % 32) // 2, column n % 16, element k % 2 holds W[n, k]."""
-    w = torch.arange(64 * 96, dtype=torch.float32).view(64, 96).bfloat16()
+    """Tile (n // 16, k // 32) row (k % 32) // 2, column n % 16, element k % 2 holds W[n, k]; the
+    outputs past N, up to a multiple of 32, are zeros."""
+    w = torch.arange(1, 1 + 40 * 96, dtype=torch.float32).view(40, 96).bfloat16()
     packed = cpu_kernels.amx_pack(w)
-    for n, k in [(0, 0), (5, 33), (17, 2), (63, 95), (40, 64)]:
+    assert packed.shape == (4, 3, 16, 16, 2)
+    for n, k in [(0, 0), (5, 33), (17, 2), (39, 95), (32, 64)]:
         assert packed[n // 16, k // 32, (k % 32) // 2, n % 16, k % 2] == w[n, k]
+    assert not packed[2, :, :, 8:].any() and not packed[3].any()
 
 
 def test_amx_takes_only_what_the_kernel_is_built_for(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "amx_ready", lambda: True)
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
-    assert cpu_kernels.amx_takes(x, 96)
-    assert not cpu_kernels.amx_takes(x.float(), 96)  # float32
-    assert not cpu_kernels.amx_takes(torch.zeros(4, 48, dtype=torch.bfloat16), 96)  # K not a multiple of 32
-    assert not cpu_kernels.amx_takes(x, 40)  # N not a multiple of 32
-    assert not cpu_kernels.amx_takes(torch.zeros(64, 4, dtype=torch.bfloat16).T, 96)  # columns strided
-    assert not cpu_kernels.amx_takes(torch.zeros(cpu_kernels.AMX_MAX_ROWS + 1, 64, dtype=torch.bfloat16), 96)
-    assert not cpu_kernels.amx_takes(torch.zeros(4, 64, dtype=torch.bfloat16, device="meta"), 96)
+    assert cpu_kernels.amx_takes(x)
+    assert not cpu_kernels.amx_takes(x.float())  # float32
+    assert not cpu_kernels.amx_takes(torch.zeros(4, 48, dtype=torch.bfloat16))  # K not a multiple of 32
+    assert not cpu_kernels.amx_takes(torch.zeros(64, 4, dtype=torch.bfloat16).T)  # columns strided
+    assert not cpu_kernels.amx_takes(torch.zeros(cpu_kernels.AMX_MAX_ROWS + 1, 64, dtype=torch.bfloat16))
+    assert not cpu_kernels.amx_takes(torch.zeros(4, 64, dtype=torch.bfloat16, device="meta"))
     monkeypatch.setattr(cpu_kernels, "amx_ready", lambda: False)
-    assert not cpu_kernels.amx_takes(x, 96)
+    assert not cpu_kernels.amx_takes(x)
 
 
 @pytest.mark.skipif(not quantize.onednn_linear_runs(torch.bfloat16), reason="this PyTorch has no oneDNN linear")
@@ -112,7 +113,7 @@ def test_the_decoding_layer_uses_the_tiles_and_follows_its_weight(activation):
     layer.activation = activation
     relu = activation == "relu"
     x = torch.randn(40, 64).bfloat16()
-    assert torch.equal(layer(x), cpu_kernels.amx_linear(x, cpu_kernels.amx_pack(layer.weight), layer.bias, relu))
+    assert torch.equal(layer(x), cpu_kernels.amx_linear(x, cpu_kernels.amx_pack(layer.weight), layer.bias, relu, 96))
     packed = layer.packed_weight("amx")
     assert layer.packed_weight("amx") is packed
     layer.weight.mul_(-2.0)
@@ -133,11 +134,11 @@ def test_searches_agree_with_and_without_the_tiles(monkeypatch):
     outputs as with oneDNN's layers for nearly every sentence (a different summation order may settle
     a near-tie otherwise)."""
     torch.manual_seed(0)
-    cfg = ModelConfig(d_model=64, d_ff=128, n_heads=2, n_encoder_layers=2, n_decoder_layers=2, vocab_size=64,
+    cfg = ModelConfig(d_model=64, d_ff=128, n_heads=2, n_encoder_layers=2, n_decoder_layers=2, vocab_size=50,
                       dropout=0.0, max_len=64)
     model = bfloat16_weights(Transformer(cfg).eval())
     gen = torch.Generator().manual_seed(3)
-    src = torch.randint(4, 64, (12, 10), generator=gen)
+    src = torch.randint(4, 50, (12, 10), generator=gen)
     max_len = torch.full((12,), 12)
     with_tiles = (greedy_search(model, src, max_len), beam_search(model, src, 4, 0.6, max_len))
     monkeypatch.setattr(cpu_kernels, "AMX_LINEAR", False)
