@@ -26,8 +26,8 @@ thread of two (1024 -> 256 at 315 rows). On a CPU with AMX-BF16 the kernel multi
 of the rows by 32 x 16 blocks of a weight packed once into the tiles' layout (amx_pack), four
 float32 accumulator tiles per 32 x 32 block of the output, and adds the bias (and the ReLU) before
 it rounds each value to bfloat16 once, as oneDNN does; the two gave equal outputs at every decoding
-shape measured. At 64 rows a 256 -> 256 layer took 10 us against oneDNN's 30, and 315 x 1024 -> 256
-101 against 204 (benchmarks/amx_linear.py). Above AMX_MAX_ROWS rows (the encoder's batches, beam
+shape measured. At 64 rows a 256 -> 256 layer took 12 us against oneDNN's 24, and 315 x 1024 -> 256
+104 against 195 (benchmarks/amx_linear.py). Above AMX_MAX_ROWS rows (the encoder's batches, beam
 search's largest) oneDNN's blocking does as well or better, and keeps them.
 
 **Top-k and log-sum-exp of the logits** (`topk_logsumexp`). Beam search needs each row's few best

@@ -135,11 +135,11 @@ class OneDNNLinear(nn.Linear):
 
     Where the CPU has AMX and mtrain.cpu_kernels loads, up to cpu_kernels.AMX_MAX_ROWS rows (every
     decoding step; the encoder's larger batches stay with oneDNN) go to cpu_kernels.amx_linear
-    instead, on a second packed copy: oneDNN spends about 20 us on each call before it multiplies,
-    and ran 1024 -> 256 at 315 rows on one of two threads. At decoding's shapes the kernel took
-    10 us where oneDNN took 30 (64 x 256 -> 256) and 101 against 204 (315 x 1024 -> 256), with
-    outputs equal to oneDNN's (docs/benchmarks.md). Inference only: with gradients on, it is an
-    nn.Linear (and its activation)."""
+    instead, on a second packed copy (the weight's memory once more again). oneDNN spends about
+    20 us on each call before it multiplies, and ran 1024 -> 256 at 315 rows on one of two threads:
+    the kernel took 12 us where oneDNN took 24 (64 x 256 -> 256) and 104 against 195 (315 x 1024 ->
+    256), with outputs equal to oneDNN's (benchmarks/amx_linear.py). Inference only: with gradients
+    on, it is an nn.Linear (and its activation)."""
 
     activation = "none"
 
