@@ -299,7 +299,6 @@ def cross_entropy_gradient_(logits: Tensor, lse: Tensor, target: Tensor, g: floa
     return True
 
 
-
 @functools.cache
 def amx_ready() -> bool:
     """Whether amx_linear runs here: the library loads, was built for AMX-BF16, and the kernel lets
@@ -331,12 +330,10 @@ def amx_takes(x: Tensor) -> bool:
 def amx_linear(x: Tensor, packed: Tensor, bias: Tensor | None, relu: bool, out_features: int) -> Tensor | None:
     """x W^T + bias (then ReLU where `relu`) for x (..., K) that amx_takes, with the (out_features,
     K) weight W packed by amx_pack and a bfloat16 bias or none; bfloat16 (..., out_features), each
-    value rounded once from its float32 sum. None where the kernel declines (x's rows not evenly
-    strided, no memory)."""
+    value rounded once from its float32 sum. None where it declines: a bias not bfloat16 and
+    contiguous, or no memory for its copy of a last block of rows."""
     K, N = x.size(-1), out_features
-    rows = x.reshape(-1, K)  # a view wherever the rows are evenly strided
-    if rows.size(0) > 1 and rows.stride(1) != 1:
-        return None
+    rows = x.reshape(-1, K)  # a view wherever x's rows are evenly strided, else a copy
     if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
         return None
     out = torch.empty(rows.size(0), N, dtype=torch.bfloat16)
