@@ -516,7 +516,8 @@ int mtrain_ce_grad(uint16_t *x, int64_t rows, int64_t V, int64_t stride, const f
    layout: for each 16 outputs and 32 inputs, 16 rows of 16 output pairs of consecutive inputs.
    Each thread computes 32 x 32 blocks of out, in four accumulator tiles over the K/32 steps, and
    rounds them to bfloat16 once, after the bias (and ReLU) in float32. The blocks are dealt out
-   outputs first, rows inside, so a thread's consecutive blocks share their weights.
+   so that a thread's consecutive blocks share the smaller operand: outputs first, rows inside
+   (sharing the weights) where x has fewer rows than W, else rows first.
 
    Rows are x's, `xs` elements apart; out's rows `os` apart. A last block of fewer than 32 rows
    is read from a zero-padded copy; the packed weight has zero rows up to a multiple of 32
