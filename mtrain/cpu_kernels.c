@@ -524,7 +524,8 @@ int mtrain_ce_grad(uint16_t *x, int64_t rows, int64_t V, int64_t stride, const f
    outputs, whose sums are never stored. K must be a multiple of 32 (-1 otherwise, as without AMX
    or when the kernel may not use the tiles). */
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__)
 #include <stdlib.h>
 #include <sys/syscall.h>
 #include <unistd.h>

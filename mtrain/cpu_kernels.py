@@ -68,8 +68,9 @@ HEAD_SIZES = (32, 64, 128)  # the d_head values the kernel is built for
 MAX_QUERIES = 8  # per (row, head)
 MAX_KEYS = 4096
 MAX_TOP = 32  # the most values topk_logsumexp keeps per row
-# The most rows amx_linear multiplies; above, oneDNN's kernel, which blocks for large problems, was
-# as fast or faster (1575 x 256 -> 768: 1.11x for the tiles, 1024 -> 256: 0.92x; docs/benchmarks.md).
+# The most rows amx_linear multiplies. Above, oneDNN's kernel, which blocks for large problems, kept
+# up or won: at 1575 rows the tiles took 1.13x less time for 256 -> 768 but 1.07x more for 1024 ->
+# 256; at 4096 rows as much or up to 1.4x more (benchmarks/amx_linear.py, docs/benchmarks.md).
 AMX_MAX_ROWS = 1024
 AMX_LINEAR = True  # False: bfloat16 decoding's linear layers stay with oneDNN (benchmarks/decode_ab.py)
 
@@ -330,12 +331,17 @@ def amx_takes(x: Tensor) -> bool:
 def amx_linear(x: Tensor, packed: Tensor, bias: Tensor | None, relu: bool, out_features: int) -> Tensor | None:
     """x W^T + bias (then ReLU where `relu`) for x (..., K) that amx_takes, with the (out_features,
     K) weight W packed by amx_pack and a bfloat16 bias or none; bfloat16 (..., out_features), each
-    value rounded once from its float32 sum. None where it declines: a bias not bfloat16 and
-    contiguous, or no memory for its copy of a last block of rows."""
+    value rounded once from its float32 sum. None where it declines: x, the packed weight and the
+    bias not of one layer (widths, dtypes, device), a bias not contiguous, or no memory for the
+    kernel's copy of a last block of rows; the caller's other kernel then says what is wrong."""
     K, N = x.size(-1), out_features
-    rows = x.reshape(-1, K)  # a view wherever x's rows are evenly strided, else a copy
-    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+    if packed.dtype != torch.bfloat16 or packed.device.type != "cpu" or not packed.is_contiguous() \
+            or packed.shape != (-(-N // 32) * 2, K // 32, 16, 16, 2):
         return None
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.device.type != "cpu" or bias.shape != (N,)
+                             or not bias.is_contiguous()):
+        return None
+    rows = x.reshape(-1, K)  # a view wherever x's rows are evenly strided, else a copy
     out = torch.empty(rows.size(0), N, dtype=torch.bfloat16)
     failed = library().mtrain_amx_linear(
         ctypes.c_void_p(rows.data_ptr()), ctypes.c_int64(rows.stride(0)), ctypes.c_void_p(packed.data_ptr()),

@@ -147,7 +147,8 @@ class OneDNNLinear(nn.Linear):
         if torch.is_grad_enabled():
             y = super().forward(x)
             return torch.relu(y) if self.activation == "relu" else y
-        if cpu_kernels.AMX_LINEAR and cpu_kernels.amx_takes(x):
+        if (cpu_kernels.AMX_LINEAR and self.weight.dtype == torch.bfloat16 and x.size(-1) == self.in_features
+                and cpu_kernels.amx_takes(x)):
             y = cpu_kernels.amx_linear(x, self.packed_weight("amx"), self.bias, self.activation == "relu",
                                        self.out_features)
             if y is not None:
@@ -168,7 +169,7 @@ class OneDNNLinear(nn.Linear):
         weight = self.weight
         if weight.is_inference():
             return pack(weight)
-        key = (weight.data_ptr(), weight.dtype, weight._version)
+        key = (weight.data_ptr(), weight.dtype, weight.shape, weight._version)
         packings = self.__dict__.setdefault("_packings", {})
         if kernel not in packings or packings[kernel][0] != key:
             packings[kernel] = key, pack(weight.detach())

@@ -78,6 +78,34 @@ def test_amx_pack_puts_each_weight_where_the_tiles_read_it():
     assert not packed[2, :, :, 8:].any() and not packed[3].any()
 
 
+@needs_amx
+def test_amx_linear_declines_a_weight_or_bias_not_of_the_layer():
+    """A packed weight of another width, dtype or layout, or a bias of another length, dtype or
+    layout, is declined (None: the caller's oneDNN kernel then reports the mismatch), never read."""
+    x, w, b = operands(8, 64, 96)
+    packed = cpu_kernels.amx_pack(w)
+    assert cpu_kernels.amx_linear(x, packed, b, False, 96) is not None
+    assert cpu_kernels.amx_linear(torch.randn(8, 128).bfloat16(), packed, b, False, 96) is None  # other K
+    assert cpu_kernels.amx_linear(x, packed, b, False, 200) is None  # other N
+    assert cpu_kernels.amx_linear(x, cpu_kernels.amx_pack(w.float()), b, False, 96) is None  # float32 weight
+    assert cpu_kernels.amx_linear(x, packed, b.float(), False, 96) is None
+    assert cpu_kernels.amx_linear(x, packed, b[:64], False, 96) is None
+    assert cpu_kernels.amx_linear(x, packed, torch.randn(192).bfloat16()[::2], False, 96) is None  # strided
+
+
+@pytest.mark.skipif(not quantize.onednn_linear_runs(torch.bfloat16), reason="this PyTorch has no oneDNN linear")
+@torch.no_grad()
+def test_a_decoding_layer_given_the_wrong_input_fails_as_onednn_does():
+    """An input of the wrong width, or a layer whose weight is not bfloat16, goes to oneDNN, which
+    raises, rather than to the tiles, which would read past the weight."""
+    layer = quantize.OneDNNLinear(64, 96).to(torch.bfloat16)
+    with pytest.raises(RuntimeError):
+        layer(torch.randn(4, 128).bfloat16())
+    float32_weight = quantize.OneDNNLinear(64, 96, bias=False)
+    with pytest.raises(RuntimeError):
+        float32_weight(torch.randn(4, 64).bfloat16())
+
+
 def test_amx_takes_only_what_the_kernel_is_built_for(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "amx_ready", lambda: True)
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
@@ -140,8 +168,35 @@ def test_searches_agree_with_and_without_the_tiles(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     src = torch.randint(4, 50, (12, 10), generator=gen)
     max_len = torch.full((12,), 12)
+    calls = []
+    tiles = cpu_kernels.amx_linear
+    monkeypatch.setattr(cpu_kernels, "amx_linear", lambda *args: calls.append(1) or tiles(*args))
     with_tiles = (greedy_search(model, src, max_len), beam_search(model, src, 4, 0.6, max_len))
+    assert calls  # the decoder's layers went to the tiles
     monkeypatch.setattr(cpu_kernels, "AMX_LINEAR", False)
     without = (greedy_search(model, src, max_len), beam_search(model, src, 4, 0.6, max_len))
     assert sum(a == b for a, b in zip(with_tiles[0], without[0])) >= 11
     assert sum(a[0][0] == b[0][0] for a, b in zip(with_tiles[1], without[1])) >= 11
+
+
+@needs_amx
+def test_stepwise_logits_with_the_tiles_are_onednns(monkeypatch):
+    """Teacher-forced step by step through the cache, each step's logits with the decoder's layers on
+    the tiles are oneDNN's to float32 summation order (a random model's searches repeat one token,
+    so the logits say more than their outputs)."""
+    torch.manual_seed(1)
+    cfg = ModelConfig(d_model=64, d_ff=128, n_heads=2, n_encoder_layers=2, n_decoder_layers=2, vocab_size=50,
+                      dropout=0.0, max_len=64)
+    model = bfloat16_weights(Transformer(cfg).eval())
+    gen = torch.Generator().manual_seed(4)
+    src, tgt = torch.randint(4, 50, (6, 9), generator=gen), torch.randint(4, 50, (6, 8), generator=gen)
+
+    def stepwise():
+        with torch.inference_mode():
+            memory, cache = model.encode(src), model.new_cache()
+            return torch.cat([model.decode(tgt[:, t : t + 1], memory, src, cache).float() for t in range(8)], 1)
+
+    tiles = stepwise()
+    monkeypatch.setattr(cpu_kernels, "AMX_LINEAR", False)
+    onednn = stepwise()
+    assert (tiles - onednn).abs().max() <= 0.01 * onednn.abs().max()
