@@ -1,12 +1,26 @@
 """Two variants of one path, alternated item by item in one process, so that load from elsewhere
 on a shared machine hits both alike: what benchmarks/packing_ab.py (training steps) and
-benchmarks/decode_ab.py (decoding) time."""
+benchmarks/decode_ab.py (decoding) time. Also the timer of the kernel benchmarks that time one
+call again and again (best_seconds)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+
+def best_seconds(run: Callable[[], Any], calls: int, rounds: int = 3, warm: int = 10) -> float:
+    """Seconds per call of `run`: the best of `rounds` rounds of `calls` calls, after `warm` calls."""
+    for _ in range(warm):
+        run()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            run()
+        times.append((time.perf_counter() - start) / calls)
+    return min(times)
 
 
 def alternate(variants: dict[str, Callable[[], None]], items: Sequence, rounds: int, run: Callable[[Any], Any],

@@ -17,11 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from mtrain import mkl_dispatch  # noqa: E402
 
@@ -29,6 +29,8 @@ if __name__ == "__main__":
     mkl_dispatch.enable()
 
 import torch  # noqa: E402
+
+from ab import best_seconds  # noqa: E402
 
 from mtrain import cpu_kernels  # noqa: E402
 from mtrain.hardware import machine_record  # noqa: E402
@@ -38,17 +40,8 @@ LAYERS = [("Q/K/V", 256, 768, True), ("attention out", 256, 256, True), ("FFN 1 
 ROWS = [1, 64, 315, 1024, 1575, 4096]
 
 
-def best_us(run, rounds: int = 3) -> float:
-    for _ in range(5):
-        run()
-    calls = 100
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            run()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return min(times)
+def best_us(run) -> float:
+    return best_seconds(run, calls=100, warm=5) * 1e6
 
 
 def case(name: str, K: int, N: int, bias: bool, M: int, gen: torch.Generator) -> dict:

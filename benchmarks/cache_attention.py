@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from mtrain import mkl_dispatch  # noqa: E402
 
@@ -29,6 +29,8 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from ab import best_seconds  # noqa: E402
+
 from mtrain import cpu_kernels  # noqa: E402
 from mtrain.hardware import machine_record  # noqa: E402
 
@@ -37,15 +39,7 @@ CASES = [("source", 13), ("source", 30), ("ancestry", 10), ("ancestry", 60), ("a
 
 
 def best_ms(run, calls: int = 200, rounds: int = 3) -> float:
-    for _ in range(10):
-        run()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            run()
-        times.append((time.perf_counter() - start) / calls * 1e3)
-    return min(times)
+    return best_seconds(run, calls, rounds) * 1e3
 
 
 def case(kind: str, n: int, gen: torch.Generator) -> dict:
