@@ -147,8 +147,7 @@ class OneDNNLinear(nn.Linear):
         if torch.is_grad_enabled():
             y = super().forward(x)
             return torch.relu(y) if self.activation == "relu" else y
-        if (cpu_kernels.AMX_LINEAR and self.weight.dtype == torch.bfloat16 and x.size(-1) == self.in_features
-                and cpu_kernels.amx_takes(x)):
+        if cpu_kernels.AMX_LINEAR and cpu_kernels.amx_takes(x):  # it declines weights not of x's layer
             y = cpu_kernels.amx_linear(x, self.packed_weight("amx"), self.bias, self.activation == "relu",
                                        self.out_features)
             if y is not None:
