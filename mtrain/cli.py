@@ -26,13 +26,18 @@ app = typer.Typer(
 )
 
 
-@app.callback()
-def _before_any_command() -> None:
-    # Runs before the command, so before anything imports torch: MKL's fast kernels on AMD CPUs
-    # need their stub loaded first (mtrain.mkl_dispatch).
-    from mtrain import mkl_dispatch
+# The commands whose time goes into matrix products: the only ones MKL's stub can speed up.
+MATMUL_COMMANDS = ("train", "translate", "score", "export")
 
-    mkl_dispatch.enable()
+
+@app.callback()
+def _before_any_command(ctx: typer.Context) -> None:
+    # Runs before the command, so before anything imports torch: MKL's fast kernels on AMD CPUs
+    # need their stub loaded first (mtrain.mkl_dispatch, opt-in).
+    if ctx.invoked_subcommand in MATMUL_COMMANDS:
+        from mtrain import mkl_dispatch
+
+        mkl_dispatch.enable()
 
 
 def friendly(fn: Callable) -> Callable:
@@ -195,7 +200,7 @@ def translate(
     seed: Optional[int] = typer.Option(None, "--seed", help="With --sample: the same seed gives the same samples, however the input is batched (default 0)."),
     prefix: Optional[str] = typer.Option(None, "--prefix", help="A file whose line i (raw target text) starts line i's translation; an empty line means no prefix. The prefix counts toward the length limit."),
     no_repeat_ngram: Optional[int] = typer.Option(None, "--no-repeat-ngram", help="Never produce the same N-gram of subwords twice in one translation (0 = off)."),
-    workers: Optional[int] = typer.Option(None, "--workers", help="On a CPU: decode in N processes side by side, the threads shared among them; the same translations (decode.workers, default 1)."),
+    workers: Optional[int] = typer.Option(None, "--workers", help="On a CPU: decode in N processes side by side, the threads shared among them; the output of one process with their share of the threads (decode.workers, default 1)."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
     overrides: Optional[List[str]] = SetOpt,
 ) -> None:
@@ -334,8 +339,6 @@ def average(
     average_checkpoints(checkpoints, out)
 
 
-if __name__ == "__main__":
-    app()
 
 
 @app.command()
@@ -367,3 +370,7 @@ def export(
     typer.echo(json.dumps(result) if as_json else format_report(result))
     sys.stdout.flush()
     typer.echo(f"wrote {out} ({format}{', ' + quantization if quantization else ''})", err=True)
+
+
+if __name__ == "__main__":  # after every command is registered, so `python -m mtrain.cli --help` lists them all
+    app()

@@ -98,7 +98,7 @@ def machine_record() -> dict[str, object]:
     return {"machine": platform.machine(), "processor": platform.processor() or None, "cpu_count": os.cpu_count(),
             "python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "mkl_dispatch": mkl_dispatch.status, **cpu_summary()}
+            "mkl_dispatch": mkl_dispatch.current(), **cpu_summary()}
 
 
 def resolve_device(device: str) -> torch.device:

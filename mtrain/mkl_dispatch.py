@@ -10,9 +10,13 @@ float32 matmuls then ran at 123-151 GFLOP/s against 112-118, a float32 training 
 and float32 beam search 1.25x (docs/benchmarks.md, "MKL's kernels on AMD CPUs"). MKL still picks
 the instruction set from what the CPU reports, as it does on an Intel CPU.
 
-`enable()` builds the stub with the C compiler (once, into the user's cache folder) and loads it; it
-must run before torch is imported, so the CLI calls it before any command imports torch. Without a C
-compiler, on other CPUs, or with MTRAIN_MKL_INTEL_PATH=0, it does nothing and says why (`status`)."""
+It is opt-in (MTRAIN_MKL_INTEL_PATH=1): other kernels sum in another order, so a run's numbers then
+differ from those of a process without the stub in their last bits (a checkpoint records which
+one trained it). `enable()` builds the stub with the C compiler (once, into the user's cache folder)
+and loads it; it must run before torch is imported, so the CLI calls it before a command that
+multiplies matrices (train, translate, score, export) imports torch, and decoding workers call it
+first thing. Unless asked for, without a C compiler, on other CPUs or with a torch built without MKL,
+it does nothing and says why (`status`)."""
 
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ENV = "MTRAIN_MKL_INTEL_PATH"  # 0 (or off, false, no) keeps MKL's own choice
+ENV = "MTRAIN_MKL_INTEL_PATH"  # 1 (or on, true, yes) loads the stub; unset or anything else keeps MKL's own choice
 STUB_SOURCE = "int mkl_serv_intel_cpu_true(void) { return 1; }\n"
 VENDORS = ("AuthenticAMD", "HygonGenuine")  # x86-64 CPUs that MKL sends down its generic paths
 COMPILE_TIMEOUT_S = 60
@@ -52,10 +56,15 @@ def switched_off(setting: str | None) -> bool:
     return (setting or "").strip().lower() in ("0", "off", "false", "no")
 
 
+def switched_on(setting: str | None) -> bool:
+    """Whether an environment switch reads 1, on, true or yes (any case, spaces around)."""
+    return (setting or "").strip().lower() in ("1", "on", "true", "yes")
+
+
 def reason_to_skip(vendor: str | None, setting: str | None, machine: str, system: str) -> str | None:
     """Why the stub is not wanted here, or None when it is."""
-    if switched_off(setting):
-        return f"off: {ENV}={setting}"
+    if not switched_on(setting):
+        return f"off: not asked for ({ENV}=1 turns it on)" if not setting else f"off: {ENV}={setting}"
     if system != "Linux" or machine not in ("x86_64", "AMD64"):
         return f"off: {system} {machine} (the stub is for Linux on x86-64)"
     if vendor not in VENDORS:
@@ -112,13 +121,14 @@ def enable() -> str:
 
 
 def loaded() -> bool:
-    """Whether this process loaded the stub: MKL runs its fast kernels on this AMD CPU."""
-    return status.startswith("on:")
+    """Whether this process loaded the stub and its torch has MKL: MKL runs its fast kernels on
+    this AMD CPU."""
+    return current().startswith("on:")
 
 
 def note() -> str | None:
     """`status` as a log line where it matters (a CPU the stub is for), else None."""
-    return f"mkl: {status}" if _amd else None
+    return f"mkl: {current()}" if _amd else None
 
 
 def _enable(vendor: str | None) -> str:
@@ -141,4 +151,14 @@ def _enable(vendor: str | None) -> str:
         ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
     except OSError as err:
         return f"off: cannot load {path} ({err})"
-    return f"on: MKL's AVX2/AVX-512 kernels on this {vendor} CPU ({path}; {ENV}=0 turns it off)"
+    return f"on: MKL's AVX2/AVX-512 kernels on this {vendor} CPU ({path}; {ENV}=1 asked for it)"
+
+
+def current() -> str:
+    """`status`, corrected once torch is imported: a stub loaded into a torch without MKL changes
+    nothing, so it then reads "off" rather than "on"."""
+    global status
+    torch = sys.modules.get("torch")
+    if status.startswith("on:") and torch is not None and not torch.backends.mkl.is_available():
+        status = "off: this torch build has no MKL (the stub was loaded but nothing calls it)"
+    return status

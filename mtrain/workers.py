@@ -7,13 +7,19 @@ search's bookkeeping) that PyTorch runs on one thread, or that pay more in handi
 thread than they gain from it. On a 2-core Intel Xeon with AMX, `mtrain translate` of 12000 lines
 with bfloat16 weights ran 1.06-1.12x (greedy) and 1.15-1.17x (beam 5) as fast with two 1-thread
 workers as in one 2-thread process, start-up included (about 1.3 s for the workers); in float32,
-whose matmuls gain more from a second thread, 0.94-0.97x and 1.10x (docs/benchmarks.md). A batch
-is decoded exactly as in one process, so the translations are the same; each process holds its own
+whose matmuls gain more from a second thread, 0.94-0.97x and 1.10x (docs/benchmarks.md).
+
+What is guaranteed: each batch is decoded exactly as one process with the workers' share of the
+threads decodes it (threads_per_worker), so the output equals, byte for byte, that of one process
+run with that many threads. Against one process with all the threads, matrix products may sum in
+another order (a thread count is part of how oneDNN and MKL block them), so scores agree to float32
+rounding and the text differs only where two candidates tie within it. Each process holds its own
 copy of the model, and the calling process (which reads, tokenizes and writes) none
 (translate.load_outline).
 
 This module imports no torch at the top: a worker runs mkl_dispatch.enable() (which must come
-before torch is imported) before it builds its model."""
+before torch is imported, and follows the same opt-in setting as the calling process) before it
+builds its model."""
 
 from __future__ import annotations
 

@@ -108,3 +108,14 @@ def test_unknown_log_to_target_is_a_one_line_error():
     with pytest.raises(MtrainError, match=r"^train\.log_to: unknown 'tensorbord'; use tensorboard and/or wandb") as err:
         load_config(None, ["train.log_to=tensorbord"])
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("module", ["mtrain", "mtrain.cli"])
+def test_help_lists_every_command_however_the_cli_is_started(module):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for command in ("tokenize", "train", "translate", "eval", "average", "score", "export"):
+        assert command in done.stdout

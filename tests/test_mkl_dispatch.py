@@ -15,19 +15,22 @@ import pytest
 from mtrain import mkl_dispatch
 
 
-@pytest.mark.parametrize("setting", ["0", "off", "False", " no "])
-def test_the_setting_turns_it_off(setting):
+@pytest.mark.parametrize("setting", ["0", "off", "False", " no ", "2"])
+def test_only_asking_for_it_turns_it_on(setting):
     assert mkl_dispatch.reason_to_skip("AuthenticAMD", setting, "x86_64", "Linux").startswith("off: MTRAIN_MKL")
+    assert mkl_dispatch.reason_to_skip("AuthenticAMD", None, "x86_64", "Linux").startswith("off: not asked for")
+    assert mkl_dispatch.reason_to_skip("AuthenticAMD", "", "x86_64", "Linux").startswith("off: not asked for")
 
 
-def test_only_amd_cpus_on_linux_x86_64_want_it():
+@pytest.mark.parametrize("setting", ["1", "on", "True", " yes "])
+def test_only_amd_cpus_on_linux_x86_64_want_it(setting):
     want = mkl_dispatch.reason_to_skip
-    assert want("AuthenticAMD", None, "x86_64", "Linux") is None
-    assert want("HygonGenuine", "1", "x86_64", "Linux") is None
-    assert "GenuineIntel CPU" in want("GenuineIntel", None, "x86_64", "Linux")
-    assert "unknown CPU" in want(None, None, "x86_64", "Linux")
-    assert "Darwin" in want("AuthenticAMD", None, "x86_64", "Darwin")
-    assert "aarch64" in want("AuthenticAMD", None, "aarch64", "Linux")
+    assert want("AuthenticAMD", setting, "x86_64", "Linux") is None
+    assert want("HygonGenuine", setting, "x86_64", "Linux") is None
+    assert "GenuineIntel CPU" in want("GenuineIntel", setting, "x86_64", "Linux")
+    assert "unknown CPU" in want(None, setting, "x86_64", "Linux")
+    assert "Darwin" in want("AuthenticAMD", setting, "x86_64", "Darwin")
+    assert "aarch64" in want("AuthenticAMD", setting, "aarch64", "Linux")
 
 
 def test_the_vendor_is_read_from_cpuinfo(tmp_path):
@@ -46,7 +49,7 @@ def test_too_late_once_torch_is_imported(monkeypatch):
     monkeypatch.setattr(mkl_dispatch, "_amd", mkl_dispatch._amd)
     monkeypatch.setattr(mkl_dispatch, "cpu_vendor", lambda: "AuthenticAMD")
     monkeypatch.setattr(mkl_dispatch, "platform", _Linux())
-    monkeypatch.delenv(mkl_dispatch.ENV, raising=False)
+    monkeypatch.setenv(mkl_dispatch.ENV, "1")
     assert mkl_dispatch.enable() == "off: torch was imported before the stub could be loaded"
     assert mkl_dispatch.note() == "mkl: off: torch was imported before the stub could be loaded"
     monkeypatch.setattr(mkl_dispatch, "cpu_vendor", lambda: "GenuineIntel")
@@ -90,6 +93,7 @@ CHILD = textwrap.dedent("""
 def _child(tmp_path: Path, **env: str) -> tuple[dict, str]:
     environment = {k: v for k, v in os.environ.items() if k not in ("CC", mkl_dispatch.ENV)}
     environment["XDG_CACHE_HOME"] = str(tmp_path / "cache")
+    environment[mkl_dispatch.ENV] = "1"  # opt-in
     environment.update(env)
     done = subprocess.run([sys.executable, "-c", CHILD], env=environment, capture_output=True, text=True,
                           timeout=300, check=True)
@@ -146,3 +150,18 @@ def test_a_cache_folder_that_cannot_be_made_is_one_line(tmp_path):
     blocker.write_text("")
     out, _ = _child(tmp_path, XDG_CACHE_HOME=str(blocker))
     assert out["status"].startswith(f"off: cannot write {blocker / 'mtrain'} (")
+
+
+def test_without_asking_nothing_is_built_or_loaded(tmp_path):
+    out, _ = _child(tmp_path, **{mkl_dispatch.ENV: ""})
+    assert out["status"] == f"off: not asked for ({mkl_dispatch.ENV}=1 turns it on)"
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_torch_without_mkl_never_reads_on(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(mkl_dispatch, "status", "on: MKL's AVX2/AVX-512 kernels (a test)")
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: False)
+    assert not mkl_dispatch.loaded()
+    assert mkl_dispatch.current().startswith("off: this torch build has no MKL")
