@@ -1,5 +1,5 @@
 """A bfloat16 decoding copy's linear layers alone: oneDNN's kernel on its packed weight (what
-mtrain.quantize.OneDNNLinear runs without the tiles) against mtrain.cpu_kernels.amx_linear on
+mtrain.cpu.quantize.OneDNNLinear runs without the tiles) against mtrain.cpu.native.amx_linear on
 the AMX tiles, in one process, each timed as the best of three rounds, with the share of output
 values the two give equal.
 
@@ -23,16 +23,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from mtrain import mkl_dispatch  # noqa: E402
+from mtrain.cpu import mkl  # noqa: E402
 
 if __name__ == "__main__":
-    mkl_dispatch.enable()
+    mkl.enable()
 
 import torch  # noqa: E402
 
 from ab import best_seconds  # noqa: E402
 
-from mtrain import cpu_kernels  # noqa: E402
+from mtrain.cpu import native  # noqa: E402
 from mtrain.hardware import machine_record  # noqa: E402
 
 LAYERS = [("Q/K/V", 256, 768, True), ("attention out", 256, 256, True), ("FFN 1 + ReLU", 256, 1024, True),
@@ -49,13 +49,13 @@ def case(name: str, K: int, N: int, bias: bool, M: int, gen: torch.Generator) ->
     w = torch.randn(N, K, generator=gen).bfloat16()
     b = torch.randn(N, generator=gen).bfloat16() if bias else None
     relu = name.endswith("ReLU")
-    onednn_weight, tiles = torch.ops.mkldnn._reorder_linear_weight(w, None), cpu_kernels.amx_pack(w)
+    onednn_weight, tiles = torch.ops.mkldnn._reorder_linear_weight(w, None), native.amx_pack(w)
     activation = "relu" if relu else "none"
     with torch.inference_mode():
         onednn = torch.ops.mkldnn._linear_pointwise(x, onednn_weight, b, activation, [], "")
-        amx = cpu_kernels.amx_linear(x, tiles, b, relu, N)
+        amx = native.amx_linear(x, tiles, b, relu, N)
         onednn_us = best_us(lambda: torch.ops.mkldnn._linear_pointwise(x, onednn_weight, b, activation, [], ""))
-        amx_us = best_us(lambda: cpu_kernels.amx_linear(x, tiles, b, relu, N))
+        amx_us = best_us(lambda: native.amx_linear(x, tiles, b, relu, N))
     return {"layer": name, "rows": M, "in": K, "out": N, "onednn_us": round(onednn_us, 1), "amx_us": round(amx_us, 1),
             "speedup": round(onednn_us / amx_us, 2), "equal_values": round((onednn == amx).float().mean().item(), 5)}
 
@@ -67,8 +67,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not cpu_kernels.amx_ready():
-        sys.exit(f"no AMX tiles to compare on this machine (mtrain.cpu_kernels: {cpu_kernels.status})")
+    if not native.amx_ready():
+        sys.exit(f"no AMX tiles to compare on this machine (mtrain.cpu.native: {native.status})")
     gen = torch.Generator().manual_seed(0)
     table = sys.stderr if args.json else sys.stdout
     rows = []
@@ -80,7 +80,7 @@ def main() -> None:
                   f"{row['amx_us']:8.1f} us   {row['speedup']:.2f}x   equal {row['equal_values']:.4f}",
                   file=table, flush=True)
     if args.json:
-        print(json.dumps({"cases": rows, "threads": torch.get_num_threads(), "max_rows": cpu_kernels.AMX_MAX_ROWS,
+        print(json.dumps({"cases": rows, "threads": torch.get_num_threads(), "max_rows": native.AMX_MAX_ROWS,
                           "torch": torch.__version__, "hardware": machine_record()}))
 
 

@@ -1,5 +1,5 @@
 """A packed CPU training step's attention sublayers alone, forward and backward: attention from the
-rows straight to the heads (mtrain.model.HEADS_FROM_ROWS: Packing.to_heads, kernels.heads_attention,
+rows straight to the heads (mtrain.attention.HEADS_FROM_ROWS: Packing.to_heads, ops.heads_attention,
 Packing.from_heads) against attention through the padded grid (Packing.to_grid, the heads' views,
 attention, the rows' gather), taking turns call by call in one process.
 
@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_step as ts  # noqa: E402  (the same shapes, lengths and batches)
 from packing_ab import step_batches, step_options  # noqa: E402
 
-import mtrain.model as model_module  # noqa: E402
+import mtrain.attention as model_module  # noqa: E402  (its constants choose the paths)
 from mtrain.hardware import cpu_has_native_bf16  # noqa: E402
 from mtrain.model import CrossAttention, SelfAttention, key_mask  # noqa: E402
-from mtrain.packing import Packing  # noqa: E402
+from mtrain.cpu.packing import Packing  # noqa: E402
 
 HEADS = model_module.HEADS_FROM_ROWS
 PATHS = {"grid": (), "heads": HEADS}

@@ -1,5 +1,5 @@
 """Attention over a decoding cache at beam 5's shapes, alone: PyTorch's CPU kernel on float32 keys
-and values (what a bfloat16 decoding copy runs without mtrain.cpu_kernels) against the C kernel on
+and values (what a bfloat16 decoding copy runs without mtrain.cpu.native) against the C kernel on
 the bfloat16 cache, in one process, each timed as the best of three rounds.
 
 315 sentences x 4 heads x 5 queries (beam search folds a sentence's beams into one row), d_head 64,
@@ -21,17 +21,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from mtrain import mkl_dispatch  # noqa: E402
+from mtrain.cpu import mkl  # noqa: E402
 
 if __name__ == "__main__":
-    mkl_dispatch.enable()
+    mkl.enable()
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from ab import best_seconds  # noqa: E402
 
-from mtrain import cpu_kernels  # noqa: E402
+from mtrain.cpu import native  # noqa: E402
 from mtrain.hardware import machine_record  # noqa: E402
 
 ROWS, HEADS, QUERIES, D_HEAD, BUFFER = 315, 4, 5, 64, 1280
@@ -53,7 +53,7 @@ def case(kind: str, n: int, gen: torch.Generator) -> dict:
         mask[..., 0] = True  # every beam sees its first slot
     k32, v32, q32 = k.float(), v.float(), q.float()
     torch_ms = best_ms(lambda: F.scaled_dot_product_attention(q32, k32, v32, attn_mask=mask).bfloat16())
-    c_ms = best_ms(lambda: cpu_kernels.attend(q, k, v, mask))
+    c_ms = best_ms(lambda: native.attend(q, k, v, mask))
     return {"over": f"{n} {kind} {'keys' if kind == 'source' else 'slots'}", "torch_float32_ms": round(torch_ms, 3),
             "c_bfloat16_ms": round(c_ms, 3), "speedup": round(torch_ms / c_ms, 2)}
 
@@ -65,8 +65,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if cpu_kernels.library() is None:
-        sys.exit(f"mtrain.cpu_kernels: {cpu_kernels.status}")
+    if native.library() is None:
+        sys.exit(f"mtrain.cpu.native: {native.status}")
     gen = torch.Generator().manual_seed(0)
     table = sys.stderr if args.json else sys.stdout
     rows = []

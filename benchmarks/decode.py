@@ -44,10 +44,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mtrain import mkl_dispatch  # noqa: E402
+from mtrain.cpu import mkl  # noqa: E402
 
 if __name__ == "__main__":  # before torch, as the CLI does; CTranslate2's spawned process keeps its own
-    mkl_dispatch.enable()
+    mkl.enable()
 
 import torch  # noqa: E402
 
@@ -56,7 +56,7 @@ from mtrain.ensemble import Ensemble  # noqa: E402
 from mtrain.export.runtime import pieces  # noqa: E402
 from mtrain.hardware import cpu_has_native_bf16, machine_record  # noqa: E402
 from mtrain.model import Transformer  # noqa: E402
-from mtrain.quantize import bfloat16_weights, quantize_int8  # noqa: E402
+from mtrain.cpu.quantize import bfloat16_weights, quantize_int8  # noqa: E402
 from mtrain.search import beam_search, greedy_search  # noqa: E402
 from mtrain.tokenizer import EOS_ID, PAD_ID, Tokenizer  # noqa: E402
 from mtrain.translate import decode_batches  # noqa: E402
@@ -351,7 +351,7 @@ def main() -> None:
     table = sys.stderr if args.json else sys.stdout  # the readable table; JSON alone on stdout
     emit = lambda line: print(line, file=table, flush=True)  # noqa: E731
     emit(f"{n} sentences, {len(batches)} batches, {threads} threads, torch {torch.__version__}")
-    emit(f"mkl: {mkl_dispatch.status}")
+    emit(f"mkl: {mkl.status}")
     systems = {
         "mtrain_greedy": lambda src, steps: run_mtrain([model], src, steps, 1),
         "mtrain_beam5": lambda src, steps: run_mtrain([model], src, steps, BEAM),

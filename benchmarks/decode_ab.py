@@ -2,15 +2,15 @@
 elsewhere on a shared machine hits both alike, with a bfloat16 decoding copy (--float32: the
 float32 model):
 - `--compare attention` (default): attention over the cache's float32 keys by float32 matmuls
-  (mtrain.model.cache_attention, what greedy search runs: one query per row) against PyTorch's CPU
+  (mtrain.attention.cache_attention, what greedy search runs: one query per row) against PyTorch's CPU
   attention kernel. With --beam 5 both are the kernel (beam search's folded beams keep it), which
   shows the harness's own spread.
 - `--compare normaliser`: beam search's log sum exp of each row's logits without the row maxima
-  subtracted where that is safe (mtrain.kernels.logsumexp_near_) against always subtracted.
-- `--compare cpu_kernels`: mtrain.cpu_kernels' C kernels (attention over a bfloat16 cache; beam
+  subtracted where that is safe (mtrain.cpu.ops.logsumexp_near_) against always subtracted.
+- `--compare cpu_kernels`: mtrain.cpu.native's C kernels (attention over a bfloat16 cache; beam
   search's top-k and log-sum-exp over the bfloat16 logits; linear layers on AMX) against decoding
   without them (float32 cache, PyTorch's attention, upcast logits, oneDNN's linear layers).
-- `--compare amx_linear`: the linear layers of decoding steps by mtrain.cpu_kernels.amx_linear
+- `--compare amx_linear`: the linear layers of decoding steps by mtrain.cpu.native.amx_linear
   against oneDNN's kernel, everything else the same.
 
     python benchmarks/decode_ab.py --threads 2                 # greedy, attention
@@ -35,22 +35,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode as bench  # noqa: E402  (the same shape, sentences and batches)
 from ab import alternate  # noqa: E402
 
-from mtrain import mkl_dispatch  # noqa: E402
+from mtrain.cpu import mkl  # noqa: E402
 
 if __name__ == "__main__":  # before torch runs anything, as the CLI does
-    mkl_dispatch.enable()
+    mkl.enable()
 
 import torch  # noqa: E402
 
 import mtrain.cache as cache_module  # noqa: E402
-import mtrain.model as model_module  # noqa: E402
-import mtrain.quantize as quantize_module  # noqa: E402
+import mtrain.attention as model_module  # noqa: E402  (its constants choose the paths)
+import mtrain.cpu.quantize as quantize_module  # noqa: E402
 import mtrain.search as search_module  # noqa: E402
-from mtrain import cpu_kernels  # noqa: E402
+from mtrain.cpu import native  # noqa: E402
 from mtrain.hardware import cpu_has_native_bf16, machine_record  # noqa: E402
-from mtrain.kernels import logsumexp_, logsumexp_near_, softmax_rows  # noqa: E402
+from mtrain.cpu.ops import logsumexp_, logsumexp_near_, softmax_rows  # noqa: E402
 from mtrain.model import Transformer  # noqa: E402
-from mtrain.quantize import bfloat16_weights  # noqa: E402
+from mtrain.cpu.quantize import bfloat16_weights  # noqa: E402
 from mtrain.search import beam_search, greedy_search  # noqa: E402
 
 
@@ -59,7 +59,7 @@ def setter(module, name: str, value):
 
 
 class _Off:
-    """mtrain.cpu_kernels as the modules see it where nothing was built."""
+    """mtrain.cpu.native as the modules see it where nothing was built."""
 
     library = staticmethod(lambda: None)
     wanted = staticmethod(lambda x: False)
@@ -69,7 +69,7 @@ class _Off:
 
 
 def _kernels(module):
-    return lambda: [setattr(user, "cpu_kernels", module) for user in (cache_module, search_module, quantize_module)]
+    return lambda: [setattr(user, "native", module) for user in (cache_module, search_module, quantize_module)]
 
 
 # Each comparison: {baseline, candidate}, in that order; each variant sets what it changes.
@@ -80,8 +80,8 @@ COMPARISONS = {
                 "padded": setter(model_module, "softmax_rows", softmax_rows)},
     "folded": {"kernel": setter(model_module, "CACHE_ATTENTION_QUERIES", 1),
                "matmuls": setter(model_module, "CACHE_ATTENTION_QUERIES", 64)},
-    "cpu_kernels": {"torch": _kernels(_Off), "c": _kernels(cpu_kernels)},
-    "amx_linear": {"onednn": setter(cpu_kernels, "AMX_LINEAR", False), "amx": setter(cpu_kernels, "AMX_LINEAR", True)},
+    "cpu_kernels": {"torch": _kernels(_Off), "c": _kernels(native)},
+    "amx_linear": {"onednn": setter(native, "AMX_LINEAR", False), "amx": setter(native, "AMX_LINEAR", True)},
     "normaliser": {"shifted": setter(search_module, "NORMALISER", logsumexp_),
                    "unshifted": setter(search_module, "NORMALISER", logsumexp_near_)},
 }

@@ -54,14 +54,14 @@ def second_pass(decode_batch, batches) -> tuple[float, float]:
 
 def mtrain_pass(args: argparse.Namespace, threads: int, beam: int) -> tuple[float, float]:
     """The timed pass of one process decoding every batch with mtrain (a child process)."""
-    from mtrain import mkl_dispatch
+    from mtrain.cpu import mkl
 
-    mkl_dispatch.enable()  # before torch, as the CLI does
+    mkl.enable()  # before torch, as the CLI does
     import decode as bench
     import torch
 
     from mtrain.model import Transformer
-    from mtrain.quantize import bfloat16_weights
+    from mtrain.cpu.quantize import bfloat16_weights
 
     torch.set_num_threads(threads)
     _, batches = benchmark_batches(args)

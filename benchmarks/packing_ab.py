@@ -1,13 +1,13 @@
-"""The CPU training step on the batch's real positions only (mtrain.packing) against the same step
+"""The CPU training step on the batch's real positions only (mtrain.cpu.packing) against the same step
 on the padded batch, alternated batch by batch in one process, so that load from elsewhere on a
 shared machine hits both alike. With --attention, both steps packed: attention from the rows
-straight to the heads (mtrain.model.HEADS_FROM_ROWS) against attention through the padded grid.
+straight to the heads (mtrain.attention.HEADS_FROM_ROWS) against attention through the padded grid.
 With --softmax, both packed: attention's softmax over rows shorter than 16 padded to 16
-(mtrain.kernels.softmax_rows) against torch's softmax on the rows as they are. With --masks, both
-packed: dropout masks written by mtrain.cpu_kernels in one pass against masks from numpy's
+(mtrain.cpu.ops.softmax_rows) against torch's softmax on the rows as they are. With --masks, both
+packed: dropout masks written by mtrain.cpu.native in one pass against masks from numpy's
 PCG64DXSM words and three integer passes over them (the masks' cost, not their bits, is compared).
 With --loss (with --bf16), both packed: the loss's row sums and gradient over the bfloat16 logits
-by mtrain.cpu_kernels against PyTorch's passes over chunks of rows.
+by mtrain.cpu.native against PyTorch's passes over chunks of rows.
 
     python benchmarks/packing_ab.py --bf16 --threads 2                 # small shape, bfloat16 autocast
     python benchmarks/packing_ab.py --bf16 --shape base --batches 3    # the paper's base shape
@@ -40,10 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_step as ts  # noqa: E402  (the same shapes, lengths and batches)
 from ab import alternate  # noqa: E402
 
-import mtrain.kernels as kernels  # noqa: E402
-from mtrain import cpu_kernels  # noqa: E402
+from mtrain.cpu import ops  # noqa: E402
+from mtrain.cpu import native  # noqa: E402
 import mtrain.loss as loss_module  # noqa: E402
-import mtrain.model as model_module  # noqa: E402
+import mtrain.attention as model_module  # noqa: E402  (its constants choose the paths)
 from mtrain.loss import Objective  # noqa: E402
 from mtrain.memory import reuse_freed_memory  # noqa: E402
 from mtrain.model import Transformer  # noqa: E402
@@ -59,7 +59,7 @@ def choose(packs, heads_from_rows: tuple[torch.dtype, ...]):
     return apply
 
 
-SOFTMAX = (kernels.softmax_rows, kernels.softmax_rows_backward)
+SOFTMAX = (ops.softmax_rows, ops.softmax_rows_backward)
 TORCH_SOFTMAX = (lambda x: torch.softmax(x, dim=-1),
                  lambda grad, weights: torch._softmax_backward_data(grad, weights, -1, weights.dtype))
 
@@ -68,7 +68,7 @@ def softmax(forward_backward):
     """A variant of the packed step whose attention takes this softmax (forward, backward)."""
     def apply() -> None:
         choose(PACKED, HEADS)()
-        kernels.softmax_rows, kernels.softmax_rows_backward = forward_backward
+        ops.softmax_rows, ops.softmax_rows_backward = forward_backward
         model_module.softmax_rows = forward_backward[0]
     return apply
 
@@ -78,27 +78,27 @@ def numpy_lanes(seed: int, n: int, threshold: int, width: int) -> torch.Tensor:
     seed, each 16-bit lane's low 15 bits plus 2^15 - threshold, the lane's top bit spread by an
     arithmetic shift (two in-place passes over the words, one over the lanes)."""
     words = torch.from_numpy(np.random.PCG64DXSM(seed).random_raw((n + 3) // 4).view(np.int64))
-    lanes = words.bitwise_and_(kernels._LOW_15_BITS).add_(kernels._in_lanes(32768 - threshold))
+    lanes = words.bitwise_and_(ops._LOW_15_BITS).add_(ops._in_lanes(32768 - threshold))
     return lanes.view(torch.int16)[:n].bitwise_right_shift_(15)
 
 
 def masks(lanes):
-    """A variant of the packed step whose dropout masks come from `lanes` (mtrain.kernels.cpu_keep_lanes)."""
+    """A variant of the packed step whose dropout masks come from `lanes` (mtrain.cpu.ops.cpu_keep_lanes)."""
     def apply() -> None:
         choose(PACKED, HEADS)()
-        kernels.cpu_keep_lanes = lanes
+        ops.cpu_keep_lanes = lanes
     return apply
 
 
-LOSS_KERNELS = (cpu_kernels.cross_entropy_sums, cpu_kernels.cross_entropy_gradient_)
+LOSS_KERNELS = (native.cross_entropy_sums, native.cross_entropy_gradient_)
 
 
 def loss_kernels(on: bool):
-    """A variant of the packed step whose loss over bfloat16 logits runs mtrain.cpu_kernels or not."""
+    """A variant of the packed step whose loss over bfloat16 logits runs mtrain.cpu.native or not."""
     def apply() -> None:
         choose(PACKED, HEADS)()
         declined = (lambda *args: False,) * 2
-        cpu_kernels.cross_entropy_sums, cpu_kernels.cross_entropy_gradient_ = LOSS_KERNELS if on else declined
+        native.cross_entropy_sums, native.cross_entropy_gradient_ = LOSS_KERNELS if on else declined
     return apply
 
 
@@ -107,7 +107,7 @@ COMPARISONS = {
     "packing": {"padded": choose(PADDED, HEADS), "packed": choose(PACKED, HEADS)},
     "attention": {"grid": choose(PACKED, ()), "heads": choose(PACKED, HEADS)},
     "softmax": {"unpadded": softmax(TORCH_SOFTMAX), "padded": softmax(SOFTMAX)},
-    "masks": {"numpy": masks(numpy_lanes), "c": masks(kernels.cpu_keep_lanes)},
+    "masks": {"numpy": masks(numpy_lanes), "c": masks(ops.cpu_keep_lanes)},
     "loss": {"chunks": loss_kernels(False), "c": loss_kernels(True)},
 }
 
@@ -183,9 +183,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--softmax", action="store_true",
                         help="both packed: short softmax rows padded to 16 against as they are")
     parser.add_argument("--masks", action="store_true",
-                        help="both packed: dropout masks by mtrain.cpu_kernels against from numpy's words")
+                        help="both packed: dropout masks by mtrain.cpu.native against from numpy's words")
     parser.add_argument("--loss", action="store_true",
-                        help="both packed: the loss over bfloat16 logits by mtrain.cpu_kernels against by chunks")
+                        help="both packed: the loss over bfloat16 logits by mtrain.cpu.native against by chunks")
     args = parser.parse_args(argv)
     cfg, batches, lengths = step_batches(args)
     variants = COMPARISONS["loss" if args.loss else "masks" if args.masks else "softmax" if args.softmax

@@ -36,9 +36,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from mtrain import mkl_dispatch
+from mtrain.cpu import mkl
 
-mkl_dispatch.enable()  # before torch, as the CLI does: every model here multiplies with the same MKL
+mkl.enable()  # before torch, as the CLI does: every model here multiplies with the same MKL
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -53,7 +53,7 @@ from mtrain.memory import reuse_freed_memory
 from mtrain.model import Transformer, sinusoids
 
 try:
-    from mtrain.packing import Packing
+    from mtrain.cpu.packing import Packing
 except ImportError:  # an older mtrain on PYTHONPATH, for before/after runs: its step ran padded
     Packing = None
 
@@ -238,7 +238,7 @@ def train_flops(batch: Batch, cfg: ModelConfig, as_mtrain: bool) -> float:
     """Matmul FLOPs of one training step as run, counted explicitly: 2*m*n*k per (m x k) @ (k x n)
     product; backward does two products per forward one, so a step is 3 x forward. The peers'
     linear layers and projection run on the padded shapes; mtrain's linear layers on the packed
-    rows (mtrain.packing; padded in a checkout without it) and its projection on the real target
+    rows (mtrain.cpu.packing; padded in a checkout without it) and its projection on the real target
     positions. Attention counts the full S x S (T x T) score and value products. Element-wise work
     (softmax, LayerNorm, dropout, Adam) is not counted: it is memory-bound and small next to the
     matmuls."""
@@ -293,9 +293,9 @@ def time_models(steps: dict[str, tuple[Callable, nn.Module, list[Batch]]], round
 
 # Anchors: an op under one of these (by name, anywhere up its call tree) counts as that part.
 # Names are compared lowercased without underscores (forward ops and their backward nodes alike).
-# Attention is SDPA, or (bfloat16 on a CPU, mtrain.model.bfloat16_attention) batched matmuls and a
+# Attention is SDPA, or (bfloat16 on a CPU, mtrain.attention.bfloat16_attention) batched matmuls and a
 # softmax, which nothing else in a step uses: the linear layers run oneDNN's linear (its bias and the
-# FFN's ReLU fused in; mtrain.kernels) or addmm, their backward and the projection mm.
+# FFN's ReLU fused in; mtrain.cpu.ops) or addmm, their backward and the projection mm.
 ATTENTION = "attention (SDPA; bf16: bmm, softmax)"
 ANCHORS = [("optimizer.step", "Adam step"), ("smoothedcrossentropy", "loss: softmax, exp, sums (N x V)"),
            ("scaleddotproduct", ATTENTION), ("bmm", ATTENTION), ("softmax", ATTENTION), ("layernorm", "layer norm")]
@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> dict:
     log(f"shape: d_model {cfg.d_model}, d_ff {cfg.d_ff}, {cfg.n_heads} heads, "
         f"{cfg.n_encoder_layers}+{cfg.n_decoder_layers} layers, vocab {cfg.vocab_size}; "
         f"{args.max_tokens}-token batches; lengths: {source}; threads {torch.get_num_threads()}")
-    log(f"mkl: {mkl_dispatch.status}")
+    log(f"mkl: {mkl.status}")
 
     if args.profile:
         return run_profile(cfg, bucketed, args, log)

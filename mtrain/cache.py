@@ -10,7 +10,7 @@ rewrites a small table instead of copying every layer's K/V. The attention modul
 layout: they hand their queries, keys and values to the layer cache and attend with what it
 returns, or take the cache's own attention (`LayerCache.attention`) where it has one.
 
-For a bfloat16 model on a CPU where mtrain.cpu_kernels loads, every layer keeps its keys and values
+For a bfloat16 model on a CPU where mtrain.cpu.native loads, every layer keeps its keys and values
 in bfloat16, as that kernel reads them, and attends with it (LayerCache.attention); elsewhere they
 are kept in stored_dtype and the modules attend with PyTorch.
 """
@@ -22,7 +22,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from mtrain import cpu_kernels
+from mtrain.attention import attend
+from mtrain.cpu import native
+from mtrain.cpu.ops import on_fast_cpu
 
 
 class LayerCache:
@@ -41,7 +43,7 @@ class LayerCache:
         # A row reorder of self_k/self_v not applied yet: the next append applies it while it
         # copies into a new buffer (rows only change when search drops finished sentences).
         self.order: Tensor | None = None
-        # Whether keys and values are kept in bfloat16 for mtrain.cpu_kernels (decided by the first
+        # Whether keys and values are kept in bfloat16 for mtrain.cpu.native (decided by the first
         # keys stored).
         self.native: bool | None = None
 
@@ -73,10 +75,10 @@ class LayerCache:
         return self.self_k[:, :, :end], self.self_v[:, :, :end]
 
     def kept_dtype(self, k: Tensor) -> torch.dtype:
-        """The dtype keys and values like k are kept in: the model's bfloat16 where mtrain.cpu_kernels
+        """The dtype keys and values like k are kept in: the model's bfloat16 where mtrain.cpu.native
         attends over them (`native`, decided by the first keys stored), else stored_dtype."""
         if self.native is None:
-            self.native = cpu_kernels.wanted(k)
+            self.native = native.wanted(k)
         return k.dtype if self.native else stored_dtype(k)
 
     def capacity(self) -> int:
@@ -84,15 +86,13 @@ class LayerCache:
         return self.self_v.size(2)
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor | None:
-        """For keys kept for mtrain.cpu_kernels, the attention of q over the keys k and values v this
+        """For keys kept for mtrain.cpu.native, the attention of q over the keys k and values v this
         cache returned: by that kernel, or where it declines (more than 8 queries a row, a causal
-        prefix) by mtrain.model.attend. None otherwise: the caller attends."""
+        prefix) by mtrain.attention.attend. None otherwise: the caller attends."""
         if not self.native:
             return None
-        y = None if is_causal else cpu_kernels.attend(q, k, v, mask)
+        y = None if is_causal else native.attend(q, k, v, mask)
         if y is None:
-            from mtrain.model import attend  # the model imports this module
-
             y = attend(q, k, v, mask, 0.0, is_causal)
         return y
 
@@ -143,11 +143,11 @@ class BeamLayerCache(LayerCache):
 
 def stored_dtype(x: Tensor) -> torch.dtype:
     """The dtype keys and values are kept in: float32 for bfloat16 on a CPU, where attention runs
-    in float32 anyway (mtrain.model.attend), so each key is upcast once, when it is stored, rather
+    in float32 anyway (mtrain.attention.attend), so each key is upcast once, when it is stored, rather
     than at every later step that reads it (in a bfloat16 beam-5 profile those upcasts were a
     quarter of the time); the dtype they come in elsewhere. Greedy search attends over them by
-    float32 matmuls, beam search with PyTorch's kernel (mtrain.model.cache_attention)."""
-    return torch.float32 if x.device.type == "cpu" and x.dtype == torch.bfloat16 else x.dtype
+    float32 matmuls, beam search with PyTorch's kernel (mtrain.attention.cache_attention)."""
+    return torch.float32 if on_fast_cpu(x) and x.dtype == torch.bfloat16 else x.dtype
 
 
 def stored(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:

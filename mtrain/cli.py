@@ -33,11 +33,11 @@ MATMUL_COMMANDS = ("train", "translate", "score", "export")
 @app.callback()
 def _before_any_command(ctx: typer.Context) -> None:
     # Runs before the command, so before anything imports torch: MKL's fast kernels on AMD CPUs
-    # need their stub loaded first (mtrain.mkl_dispatch, opt-in).
+    # need their stub loaded first (mtrain.cpu.mkl, opt-in).
     if ctx.invoked_subcommand in MATMUL_COMMANDS:
-        from mtrain import mkl_dispatch
+        from mtrain.cpu import mkl
 
-        mkl_dispatch.enable()
+        mkl.enable()
 
 
 def friendly(fn: Callable) -> Callable:

@@ -149,16 +149,16 @@ class DecodeConfig:
     seed: int = 0  # sampling: the same seed gives the same samples, however inputs are batched
     no_repeat_ngram: int = 0  # > 0: never produce an n-gram of this size twice in one output
     # off | bf16 | auto (as train.amp): decode with the weights cast to bfloat16 where the hardware
-    # multiplies it natively (mtrain.quantize.bfloat16_weights). Off by default: outputs differ from
+    # multiplies it natively (mtrain.cpu.quantize.bfloat16_weights). Off by default: outputs differ from
     # float32's on a share of lines (docs/benchmarks.md). Validation inside training decodes in the
     # training's precision either way.
     amp: str = "off"
     # off | int8: decode on a CPU with every linear layer in int8 (weights per output row, activations
-    # quantized on the fly; mtrain.quantize). 1.7-3x float32's speed at decoding's batch sizes; changes
+    # quantized on the fly; mtrain.cpu.quantize). 1.7-3x float32's speed at decoding's batch sizes; changes
     # a share of lines (docs/benchmarks.md), so off by default. Not with amp, not on a GPU.
     quantize: str = "off"
     # Processes that decode batches side by side on a CPU, the threads shared among them
-    # (mtrain.workers), with the same translations: on 2 cores, bfloat16 decoding of 12000 lines
+    # (mtrain.cpu.workers), with the same translations: on 2 cores, bfloat16 decoding of 12000 lines
     # ran 1.06-1.12x (greedy) and 1.15-1.17x (beam 5) as fast with 2 (docs/benchmarks.md). Each
     # holds a copy of the model (the calling process keeps only the tokenizer and config) and
     # takes about a second to start; 1 decodes in the calling process.

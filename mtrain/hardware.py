@@ -9,7 +9,7 @@ import platform
 
 import torch
 
-from mtrain import mkl_dispatch
+from mtrain.cpu.build import cpuinfo_fields
 from mtrain.errors import MtrainError
 
 
@@ -47,24 +47,9 @@ def cpu_has_native_bf16() -> bool:
 def cpu_has_vnni() -> bool:
     """Whether this CPU has AVX-512 VNNI, whose int8 dot products add u8 x s8 products into 32 bits.
     Without it (AVX2), pairs of products are added in 16 bits first, which saturate at full 8-bit
-    range (mtrain.quantize, mtrain.export.runtime.int8_saturates)."""
+    range (mtrain.cpu.quantize, mtrain.export.runtime.int8_saturates)."""
     check = getattr(torch.cpu, "_is_vnni_supported", None)
     return bool(callable(check) and check())
-
-
-def cpuinfo_fields(path: str = "/proc/cpuinfo") -> dict[str, str]:
-    """Each key of /proc/cpuinfo with its first value (the first processor's); empty where the
-    file is missing (not Linux)."""
-    fields: dict[str, str] = {}
-    try:
-        with open(path, encoding="utf-8") as handle:
-            for line in handle:
-                key, colon, value = line.partition(":")
-                if colon:
-                    fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    return fields
 
 
 def cpu_model(fields: dict[str, str] | None = None) -> str | None:
@@ -98,7 +83,7 @@ def machine_record() -> dict[str, object]:
     return {"machine": platform.machine(), "processor": platform.processor() or None, "cpu_count": os.cpu_count(),
             "python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "mkl_dispatch": mkl_dispatch.current(), **cpu_summary()}
+            "mkl_dispatch": _mkl_status(), **cpu_summary()}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -196,3 +181,9 @@ def amp_note(amp: str, dtype: torch.dtype | None, device: torch.device) -> str:
                       "train.amp=auto trains in float16 here")
     hint = "; --set train.amp=off for float32" if amp == "auto" else ""
     return f"precision: {name} (train.amp={amp}: {where}; autocast over float32 weights{hint})"
+
+
+def _mkl_status() -> str:
+    from mtrain.cpu import mkl  # the CPU package depends on this module, not the other way round
+
+    return mkl.current()

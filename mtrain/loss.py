@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mtrain import cpu_kernels
-from mtrain.kernels import PLAIN_EXP_FLOOR, logsumexp_
-from mtrain.packing import ROW_MULTIPLE, Packing
+from mtrain.cpu import native
+from mtrain.cpu.ops import PLAIN_EXP_FLOOR, logsumexp_, on_fast_cpu
+from mtrain.cpu.packing import ROW_MULTIPLE, Packing
 
 
 def _float32_or_wider(logits: Tensor) -> Tensor:
@@ -98,7 +98,7 @@ CHUNK_BYTES = 1 << 21  # float32 logits per chunk: ~1 MiB per thread of 2, a Zen
 # (512 rows there) keep the float32 copy of a chunk small next to the logits themselves.
 DEVICE_CHUNK_BYTES = 1 << 26
 # The projection's matmuls run on the real target tokens rounded up to ROW_MULTIPLE rows (zero
-# states, so zero logits, that the loss skips), the row rounding mtrain.packing explains: at 2k
+# states, so zero logits, that the loss skips), the row rounding mtrain.cpu.packing explains: at 2k
 # tokens at most ~3 % more of this matmul.
 
 
@@ -210,7 +210,7 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
     forward and backward took 466 against 495 ms (medians of 20, 2-core AVX2 EPYC); in a profiled
     float32 step its ops took 45 against 58 ms (docs/benchmarks.md). Narrower logits (bfloat16) stay as they are, an upcast copy of each chunk
     is reduced, and the backward recomputes softmax(x) = exp(x - lse) chunk by chunk; on a CPU
-    mtrain.cpu_kernels, where it is built, reads each bfloat16 row once for its sums and writes its
+    mtrain.cpu.native, where it is built, reads each bfloat16 row once for its sums and writes its
     gradient over it in one pass (a bfloat16 step 1.05-1.07x as fast, docs/benchmarks.md). Values
     equal label_smoothed_loss's; the gradient differs by rounding only."""
 
@@ -233,8 +233,8 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         # Elsewhere the maxima go first, as finding those rows would stop the host until the device
         # catches up.
         peak = None if _plain_sums(logits.device) else logits.new_empty(n, 1, dtype=wide)
-        # bfloat16 on a CPU: mtrain.cpu_kernels reads each row once for both (where it is built)
-        chunks = [] if peak is None and cpu_kernels.cross_entropy_sums(logits[:n], sums, mean) else \
+        # bfloat16 on a CPU: mtrain.cpu.native reads each row once for both (where it is built)
+        chunks = [] if peak is None and native.cross_entropy_sums(logits[:n], sums, mean) else \
             _row_chunks(n, logits.size(1), logits.device)
         for rows in chunks:
             x = logits[rows] if in_place else logits[rows].to(wide, copy=True)
@@ -279,8 +279,8 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         floor = g * (eps / vocab)
         row_scale = None if inverse_sums is None else inverse_sums.mul_(g)[:, None]
         chunks = _row_chunks(n, vocab, lse.device)
-        if row_scale is None and cpu_kernels.cross_entropy_gradient_(logits[:n], lse, target, float(g), eps):
-            chunks = []  # bfloat16 on a CPU: mtrain.cpu_kernels wrote the gradient over the logits
+        if row_scale is None and native.cross_entropy_gradient_(logits[:n], lse, target, float(g), eps):
+            chunks = []  # bfloat16 on a CPU: mtrain.cpu.native wrote the gradient over the logits
         for rows in chunks:
             if row_scale is not None:  # the logits hold exp(x - c): g * softmax(x) is one multiply
                 grad = logits[rows].mul_(row_scale[rows])
@@ -338,20 +338,20 @@ class _SymmetricKL(torch.autograd.Function):
 
 
 def packs(ids: Tensor) -> bool:
-    """Whether the training step runs on the batch's real positions only (mtrain.packing): on a
+    """Whether the training step runs on the batch's real positions only (mtrain.cpu.packing): on a
     CPU, eager, in float32 and under bfloat16 autocast alike. Finding the positions takes the host
     a look at the ids, which on a GPU would wait for the device, and the compiler wants the padded
     shapes, which it sees again from batch to batch. Under bfloat16 autocast on an AMX Xeon, packed
     and padded steps alternated in one process ran 1.011x (median; small shape) and 1.121x (base
     shape) as fast (docs/benchmarks.md)."""
-    return ids.device.type == "cpu" and not torch.compiler.is_compiling()
+    return on_fast_cpu(ids) and not torch.compiler.is_compiling()
 
 
 class Objective(nn.Module):
     """Teacher-forced label-smoothed loss as one module, so DDP (which hooks forward) and
     torch.compile see the whole computation. The vocabulary projection, the largest matmul, runs
     only at real target positions; on a CPU the layers before it run on the real positions of
-    both sides too (mtrain.packing), and a float32 step ran 1.02-1.05x as fast (small shape, 2-core
+    both sides too (mtrain.cpu.packing), and a float32 step ran 1.02-1.05x as fast (small shape, 2-core
     AVX2 EPYC, docs/benchmarks.md)."""
 
     def __init__(self, model: nn.Module, label_smoothing: float, rdrop_alpha: float = 0.0) -> None:

@@ -19,9 +19,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mtrain import cpu_kernels
-from mtrain.kernels import NEG_INF, argmax_rows, logsumexp_, logsumexp_near_, topk_rows
-from mtrain.quantize import weights_dtype
+from mtrain.cpu import native
+from mtrain.cpu.ops import NEG_INF, argmax_rows, logsumexp_, logsumexp_near_, topk_rows
+from mtrain.cpu.quantize import weights_dtype
 from mtrain.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
@@ -163,7 +163,7 @@ def step_logits(model: Decoder, tokens: Tensor, memory: Any, src: Tensor, cache,
     """Feed one new token per row; yield (first row, float32 logits (n, V) of rows first..first+n-1),
     block after block. The blocks are the caller's to overwrite, until it asks for the next one (with
     `blocks`, each is upcast into that one buffer; with bfloat16, a bfloat16 model's blocks on a CPU
-    come as they are where mtrain.cpu_kernels loads). A model with decode_states and project runs the decoder once and the output
+    come as they are where mtrain.cpu.native loads). A model with decode_states and project runs the decoder once and the output
     projection block by block; any other, one block of all rows."""
     tgt = tokens.unsqueeze(1)
     if not projects_in_blocks(model):
@@ -177,11 +177,11 @@ def step_logits(model: Decoder, tokens: Tensor, memory: Any, src: Tensor, cache,
 
 
 def _float_unless_bfloat16(upcast):
-    """upcast, except for bfloat16 blocks on a CPU where mtrain.cpu_kernels loads (asked only when one
+    """upcast, except for bfloat16 blocks on a CPU where mtrain.cpu.native loads (asked only when one
     comes: float32 decoding, and decoding on a GPU, never build the kernels)."""
     def cast(block: Tensor) -> Tensor:
-        native = block.dtype == torch.bfloat16 and block.device.type == "cpu" and cpu_kernels.library() is not None
-        return block if native else upcast(block)
+        kept = block.dtype == torch.bfloat16 and block.device.type == "cpu" and native.library() is not None
+        return block if kept else upcast(block)
 
     return cast
 
@@ -215,7 +215,7 @@ def next_token_topk(model: Decoder, tokens: Tensor, memory: Tensor, src: Tensor,
     log-probs (N, k), best first, and their ids (N, k). PAD/BOS and banned tokens never; a row
     with forced[row] >= 0 gets that token alone (the others -inf). Rows are handled in blocks
     (step_logits); each row's result depends on that row alone. A bfloat16 model's blocks stay
-    bfloat16 where mtrain.cpu_kernels' top-k kernel is loaded (topk_of_logits)."""
+    bfloat16 where mtrain.cpu.native's top-k kernel is loaded (topk_of_logits)."""
     tops, ids = [], []
     for first, logits in step_logits(model, tokens, memory, src, cache, blocks, bfloat16=True):
         n = logits.size(0)
@@ -233,7 +233,7 @@ def topk_of_logits(logits: Tensor, forced: Tensor, k: int, bans: tuple[Tensor, T
 
     On a CPU, log_softmax over the whole vocabulary and then top-k cost more than the output
     projection. Here float32 logits are read twice (chunked top-k, then logsumexp in place) and
-    never copied, bfloat16 ones once by mtrain.cpu_kernels.topk_logsumexp; the masking happens on the
+    never copied, bfloat16 ones once by mtrain.cpu.native.topk_logsumexp; the masking happens on the
     k + 2 best, which hold the k best other than PAD and BOS. Banned tokens leave the top-k as -inf
     logits; the normaliser still counts them."""
     rows = (forced >= 0).nonzero().squeeze(1)
@@ -241,7 +241,7 @@ def topk_of_logits(logits: Tensor, forced: Tensor, k: int, bans: tuple[Tensor, T
     banned = logits[bans].float()
     logits[bans] = NEG_INF
     width = min(k + 2, logits.size(1))
-    fused = cpu_kernels.topk_logsumexp(logits, width) if logits.dtype == torch.bfloat16 else None
+    fused = native.topk_logsumexp(logits, width) if logits.dtype == torch.bfloat16 else None
     if fused is not None:
         top, ids, lse = fused
     else:
@@ -270,10 +270,10 @@ def _add_to_normaliser(lse: Tensor, rows: Tensor, values: Tensor) -> Tensor:
 
 
 def best_rows(scores: Tensor) -> Tensor:
-    """argmax_rows of (N, V) logits; bfloat16 ones (a bfloat16 model's, where mtrain.cpu_kernels
+    """argmax_rows of (N, V) logits; bfloat16 ones (a bfloat16 model's, where mtrain.cpu.native
     is loaded) by its one pass over them, with no upcast: the same index, the first of equal maxima."""
     if scores.dtype == torch.bfloat16:
-        fused = cpu_kernels.topk_logsumexp(scores, 1, normaliser=False)
+        fused = native.topk_logsumexp(scores, 1, normaliser=False)
         return fused[1].squeeze(1) if fused is not None else argmax_rows(scores.float())
     return argmax_rows(scores)
 

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from mtrain import tracking
 from mtrain import distributed as dist_utils
-from mtrain import mkl_dispatch
+from mtrain import cpu
 from mtrain.atomic import atomic_write
 from mtrain.config import Config, to_dict, to_yaml
 from mtrain.data import target_tokens
@@ -341,12 +341,12 @@ def summarize(trainer: Trainer) -> dict[str, Any]:
 
 
 def log_precision(trainer: Trainer) -> None:
-    """The precision the run trains in and, on a CPU where it matters, the matmul kernels MKL runs
-    (mtrain.mkl_dispatch)."""
+    """The precision the run trains in and, on a CPU, which fast paths run (mtrain.cpu), the C
+    kernels built first if they are not yet."""
     trainer.log(amp_note(trainer.tcfg.amp, trainer.amp_dtype, trainer.device))
-    kernels = mkl_dispatch.note()
-    if kernels and trainer.device.type == "cpu":
-        trainer.log(kernels)
+    if trainer.device.type == "cpu":
+        cpu.prepare()  # any build happens here, before the first step
+        trainer.log(cpu.describe(cpu.acceleration()))
 
 
 def train(cfg: Config, data_dir: str | Path, run_dir: str | Path | None, device: str = "auto",

@@ -24,7 +24,9 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from mtrain import checkpoint, mkl_dispatch, probe
+from mtrain import checkpoint, probe
+from mtrain import cpu
+from mtrain.cpu import mkl
 from mtrain import distributed as dist_utils
 from mtrain.atomic import describe_write_error
 from mtrain.config import Config, replace, to_dict
@@ -35,7 +37,7 @@ from mtrain.hardware import cuda_index, resolve_amp
 from mtrain.loss import Objective, forward_backward
 from mtrain.model import Transformer
 from mtrain.prefetch import Prefetcher, pin, to_device
-from mtrain.quantize import check_quantize
+from mtrain.cpu.quantize import check_quantize
 from mtrain.resume import TrainState, rng_state, set_rng_state
 from mtrain.schedule import lr_at
 from mtrain.tokenizer import PAD_ID, Tokenizer
@@ -304,7 +306,7 @@ class Trainer:
         if why:
             self.log(f"note: {why}, so this run's dropout masks differ from an uninterrupted run's and "
                      "it will not match one bit for bit")
-        self._note_kernel_change(ts.get("mkl_intel_path"))
+        self._note_kernel_change(ts)
         self.log(f"resuming from {path}: step {self.state.step}, epoch {self.state.epoch}, "
                  f"batch {self.state.batch_index}/{len(self.stream.batches(self.state.epoch))}, "
                  f"best BLEU {max(self.state.best_bleu, 0.0):.2f}")
@@ -320,16 +322,25 @@ class Trainer:
             raise MtrainError(f"{path}: the run was trained with another SentencePiece model than {self.data_dir}'s; "
                               "pass the original --data folder, or a new --out folder")
 
-    def _note_kernel_change(self, fast_before: bool | None) -> None:
-        """A note when MKL ran other kernels before the resume (mtrain.mkl_dispatch): other sums'
-        rounding, so no bit-for-bit match with an uninterrupted run. Checkpoints from before the
-        field say nothing."""
-        now = mkl_dispatch.loaded()
-        if fast_before is None or fast_before == now or self.device.type != "cpu":
+    def _note_kernel_change(self, ts: dict[str, Any]) -> None:
+        """A note when other CPU fast paths ran before the resume (mtrain.cpu.acceleration, or for
+        older checkpoints MKL's kernels alone): other sums' rounding, so no bit-for-bit match with
+        an uninterrupted run."""
+        if self.device.type != "cpu":
+            return
+        cpu.prepare()
+        if "acceleration" in ts:
+            changed = cpu.differences(ts["acceleration"], cpu.acceleration())
+            if changed:
+                self.log(f"note: the CPU fast paths differ from those that wrote last.pt ({', '.join(changed)}), "
+                         "so sums round differently and this run will not match an uninterrupted one bit for bit")
+            return
+        fast_before, now = ts.get("mkl_intel_path"), mkl.loaded()
+        if fast_before is None or fast_before == now:
             return
         kernels = {True: "its fast kernels", False: "its generic kernels"}
         self.log(f"note: MKL ran {kernels[fast_before]} before this resume and runs {kernels[now]} now "
-                 f"({mkl_dispatch.status}), so this run will not match an uninterrupted one bit for bit")
+                 f"({mkl.status}), so this run will not match an uninterrupted one bit for bit")
 
     def _note_train_changes(self, stored: dict[str, Any]) -> None:
         current = to_dict(self.cfg)["train"]
@@ -521,7 +532,7 @@ class Trainer:
         return {"optimizer": self.optimizer.state_dict(),
                 "scaler": self.scaler.state_dict() if self.scaler is not None else {},
                 "state": dataclasses.asdict(self.state), "rng": rngs, "world_size": self.dist.world_size,
-                "mkl_intel_path": mkl_dispatch.loaded()}
+                "mkl_intel_path": mkl.loaded(), "acceleration": cpu.acceleration()}
 
     def save_last(self, with_step_file: bool, average: bool = False, failure: MtrainError | None = None) -> None:
         """RUN/step-N.pt (model only, pruned to keep_last and keep_every), RUN/averaged.pt at the end of a run

@@ -25,10 +25,10 @@ from mtrain.config import DecodeConfig, config_from_dict
 from mtrain.data import make_batches
 from mtrain.errors import MtrainError
 from mtrain.hardware import decode_autocast, resolve_amp, resolve_device
-from mtrain.quantize import bfloat16_weights, check_quantize, quantize_int8, weights_dtype
+from mtrain.cpu.quantize import bfloat16_weights, check_quantize, quantize_int8, weights_dtype
 from mtrain.search import Decoder, Sampling, beam_search, greedy_search, sample, stream_key
 from mtrain.tokenizer import EOS_ID, PAD_ID, Side, Tokenizer
-from mtrain.workers import DecodingPool
+from mtrain.cpu.workers import DecodingPool
 
 CHUNK_LINES = 2000  # lines read, translated and written at a time: memory stays bounded on big inputs
 # Characters of one line that reach SentencePiece, per token of the model's max_len. A piece is at
@@ -105,7 +105,7 @@ class Engine(Protocol):
 def load_for_decoding(paths: str | Path | list[str | Path], device: torch.device, decode: DecodeConfig | None = None):
     """(model, tokenizer, checkpoint dict) for checkpoints (several: an ensemble), or for one folder
     written by `mtrain export --format ctranslate2`. With decode.quantize=int8 the checkpoints'
-    linear layers are made int8 (mtrain.quantize)."""
+    linear layers are made int8 (mtrain.cpu.quantize)."""
     paths = checkpoint_paths(paths)
     decode = decode or DecodeConfig()
     if _exported(paths, decode, device):
@@ -182,7 +182,7 @@ def decoding_model(model: nn.Module, decode: DecodeConfig, device: torch.device,
 class BatchJob:
     """One batch to search: its sources' ids, the slope of their length limits, forced prefixes
     (or None) and line numbers (which pick sampling streams). Plain data, so a worker process
-    (mtrain.workers) can be sent it."""
+    (mtrain.cpu.workers) can be sent it."""
 
     sources: list[list[int]]
     slope: float
@@ -206,7 +206,7 @@ def search_batch(model: Decoder | Engine, job: BatchJob, device: torch.device) -
 
 
 def worker_model(checkpoints: list[str | Path], decode: DecodeConfig) -> Decoder | Engine:
-    """A decoding process's model (mtrain.workers): what load_for_decoding gives on the CPU."""
+    """A decoding process's model (mtrain.cpu.workers): what load_for_decoding gives on the CPU."""
     return load_for_decoding(checkpoints, torch.device("cpu"), decode)[0]
 
 
@@ -216,7 +216,7 @@ def worker_search(model: Decoder | Engine, job: BatchJob) -> list[list[tuple[lis
 
 def decoding_pool(checkpoints: str | Path | list[str | Path], decode: DecodeConfig,
                   device: torch.device) -> contextlib.AbstractContextManager:
-    """decode.workers processes that search batches (mtrain.workers), or, for 1, nullcontext(None)."""
+    """decode.workers processes that search batches (mtrain.cpu.workers), or, for 1, nullcontext(None)."""
     if decode.workers == 1:
         return contextlib.nullcontext(None)
     if device.type != "cpu":

@@ -121,6 +121,15 @@ def hardware() -> dict[str, Any]:
     return {**machine_record(), "torch_threads": torch.get_num_threads()}
 
 
+def trained_with(run: Path) -> dict[str, Any] | None:
+    """The CPU fast paths that trained the run, as its last.pt records them (mtrain.cpu.acceleration;
+    None for a GPU run's or an older checkpoint)."""
+    from mtrain import checkpoint
+
+    last = run / "last.pt"
+    return checkpoint.load(last, mmap=True).get("train_state", {}).get("acceleration") if last.exists() else None
+
+
 def build_results(run: Path, sacrebleu: dict[str, Any], tok_bleu: dict[str, Any] | None,
                   records: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
     valid = [r for r in records if r.get("event") == "valid"]
@@ -136,6 +145,7 @@ def build_results(run: Path, sacrebleu: dict[str, Any], tok_bleu: dict[str, Any]
         "best_valid_bleu": max((r["bleu"] for r in valid), default=None),
         "validations": len(valid),
         "hardware": hardware(),
+        "cpu_fast_paths": trained_with(run),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "run_dir": str(run),
     }

@@ -256,7 +256,7 @@ def train_args(data_dir: Path, run_dir: Path, max_steps: int, settings: list[str
 
 def child_env() -> dict[str, str]:
     """One thread; this checkout's mtrain first (this file, run as a script, starts in tests/); MKL's
-    own kernel choice, as in this test process, which imported torch before mtrain.mkl_dispatch
+    own kernel choice, as in this test process, which imported torch before mtrain.cpu.mkl
     could load its stub: runs compared bit for bit must multiply with the same kernels."""
     path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "PYTHONPATH": path,

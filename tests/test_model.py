@@ -12,8 +12,9 @@ from torch import nn
 from conftest import DEVICES
 from mtrain.config import ModelConfig, load_config
 from mtrain.errors import MtrainError
-from mtrain.kernels import Dropout
-from mtrain.model import Transformer, attend, bfloat16_attention, cache_attention, key_mask, sinusoids
+from mtrain.cpu.ops import Dropout
+from mtrain.attention import attend, bfloat16_attention, cache_attention
+from mtrain.model import Transformer, key_mask, sinusoids
 
 ROOT = Path(__file__).resolve().parents[1]
 PAD = 0
@@ -444,10 +445,10 @@ def test_bf16_attention_ignores_masked_keys_and_the_future_exactly():
 
 @pytest.mark.parametrize("masking", ["padding", "causal", "prefix", "cross"])
 def test_batched_attention_is_sdpa_in_value_and_gradient(masking):
-    """The CPU training step's float32 attention (kernels.batched_attention) gives
+    """The CPU training step's float32 attention (ops.batched_attention) gives
     PyTorch's attention: values and the gradients of q, k and v, in float64 to 1e-12; a row with
     every key masked gets zeros; and its backward passes gradcheck."""
-    from mtrain.kernels import batched_attention
+    from mtrain.cpu.ops import batched_attention
 
     gen = torch.Generator().manual_seed(12)
     q = torch.randn(3, 4, 9, 16, generator=gen, dtype=torch.float64)
@@ -478,11 +479,11 @@ def test_batched_attention_is_sdpa_in_value_and_gradient(masking):
 
 @pytest.mark.parametrize("masking", ["padding", "causal", "cross"])
 def test_bf16_heads_attention_is_bf16_attention_bit_for_bit(masking):
-    """A packed bfloat16 step's attention (kernels.heads_attention on the heads-before-sentences
+    """A packed bfloat16 step's attention (ops.heads_attention on the heads-before-sentences
     layout) does bfloat16_attention's arithmetic: the same bfloat16 matmuls around the same
     float32 softmax, forward and backward. Values and the gradients of q, k and v are equal bit
     for bit to autograd's through bfloat16_attention on the (B, H, T, d_head) grid."""
-    from mtrain.kernels import heads_attention
+    from mtrain.cpu.ops import heads_attention
 
     gen = torch.Generator().manual_seed(14)
     heads, batch, length, d_head = 4, 3, 7, 8
@@ -515,7 +516,7 @@ def test_bf16_heads_attention_is_bf16_attention_bit_for_bit(masking):
 def test_float32_attention_with_gradients_takes_the_batched_kernel_on_cpu():
     """attend sends float32 training tensors (gradients wanted, no attention dropout) to
     batched_attention and everything else to PyTorch's kernel: the same values either way."""
-    from mtrain import model as model_module
+    from mtrain import attention as model_module
 
     gen = torch.Generator().manual_seed(13)
     q, k, v = (torch.randn(2, 4, 7, 8, generator=gen) for _ in range(3))

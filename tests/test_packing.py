@@ -1,4 +1,4 @@
-"""mtrain.packing: a padded batch's real positions as rows, and the training step on them, which
+"""mtrain.cpu.packing: a padded batch's real positions as rows, and the training step on them, which
 must equal the step on the padded batch."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import mtrain.loss as loss_module
 from mtrain.config import ModelConfig
 from mtrain.loss import Objective
 from mtrain.model import Transformer
-from mtrain.packing import Packing
+from mtrain.cpu.packing import Packing
 
 PAD = 0
 

@@ -127,7 +127,7 @@ def test_decode_amp_sets_the_precision_search_runs_in(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):  # a caller's autocast does not leak in
         translate.translate_nbest(model, Tok(), ["a"], DecodeConfig(beam=1), "cpu")
     assert seen == [torch.bfloat16, None, None]
-    from mtrain.quantize import bfloat16_weights
+    from mtrain.cpu.quantize import bfloat16_weights
 
     translate.translate_nbest(bfloat16_weights(model), Tok(), ["a"], DecodeConfig(beam=1, amp="bf16"), "cpu")
     assert seen[-1] is None  # weights load_for_decoding made bfloat16 need no autocast

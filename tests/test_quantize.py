@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from mtrain import quantize
+from mtrain.cpu import quantize
 from mtrain.config import DecodeConfig, ModelConfig, load_config
 from mtrain.ensemble import Ensemble
 from mtrain.errors import MtrainError
 from mtrain.model import Transformer
-from mtrain.quantize import check_quantize, quantize_int8
+from mtrain.cpu.quantize import check_quantize, quantize_int8
 
 CFG = ModelConfig(d_model=64, d_ff=128, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, vocab_size=300, dropout=0.0)
 CPU = torch.device("cpu")

@@ -18,7 +18,7 @@ from mtrain import search
 from mtrain.cache import KVCache
 from mtrain.config import ModelConfig
 from mtrain.hardware import cpu_has_native_bf16
-from mtrain.kernels import argmax_rows, logsumexp_, logsumexp_near_, topk_rows
+from mtrain.cpu.ops import argmax_rows, logsumexp_, logsumexp_near_, topk_rows
 from mtrain.model import Transformer
 from mtrain.search import (
     Sampling,
@@ -354,7 +354,7 @@ def test_kept_rows_rounds_up_by_at_most_an_eighth_to_8_sizes_per_doubling():
 
 
 def test_rows_are_kept_for_bfloat16_matmuls_on_a_cpu_only(model):
-    from mtrain.quantize import bfloat16_weights
+    from mtrain.cpu.quantize import bfloat16_weights
 
     cpu = torch.device("cpu")
     assert search.row_sizes(model, cpu) is search.exact_rows
@@ -544,7 +544,7 @@ def check_blocks_change_nothing(model, monkeypatch, rows: int) -> None:
 @pytest.mark.parametrize("device", DEVICES)
 def test_bfloat16_beam_one_equals_greedy(device):
     """A bfloat16 decoding copy (decode.amp=bf16) searches the same way: beam 1 is greedy."""
-    from mtrain.quantize import bfloat16_weights
+    from mtrain.cpu.quantize import bfloat16_weights
 
     bf16 = bfloat16_weights(random_model(1).to(device))
     for seed in range(3):
@@ -577,13 +577,13 @@ def assert_same_up_to_a_near_tie(model, src, got: list[int], want: list[int], re
 def test_bfloat16_blocks_upcast_into_one_buffer_change_no_result(monkeypatch, rows):
     """A bfloat16 model's logits are upcast block after block into one reused float32 buffer
     (search.Float32Blocks); with several blocks per step every choice and score is still exactly what
-    one fresh float32 block of all rows gives (the upcast is exact). mtrain.cpu_kernels' top-k, which
-    reads the bfloat16 blocks instead, is off here (tests/test_cpu_kernels.py checks it)."""
+    one fresh float32 block of all rows gives (the upcast is exact). mtrain.cpu.native's top-k, which
+    reads the bfloat16 blocks instead, is off here (tests/test_native.py checks it)."""
     from types import SimpleNamespace
 
-    from mtrain.quantize import bfloat16_weights
+    from mtrain.cpu.quantize import bfloat16_weights
 
-    monkeypatch.setattr(search, "cpu_kernels", SimpleNamespace(library=lambda: None, topk_logsumexp=lambda *a: None))
+    monkeypatch.setattr(search, "native", SimpleNamespace(library=lambda: None, topk_logsumexp=lambda *a: None))
     bf16 = bfloat16_weights(random_model(1))
     monkeypatch.setattr(search, "BLOCK_BYTES", 4 * bf16.cfg.vocab_size * rows)
     whole = DecodeOnly(bf16)

@@ -191,18 +191,39 @@ def _resume_after_editing_last(copy_data, tmp_path, capsys, edit) -> str:
 
 
 def test_resume_after_mkl_changed_kernels_says_it_cannot_match_bit_for_bit(copy_data, tmp_path, capsys):
-    """last.pt written where MKL ran other kernels than now (mtrain.mkl_dispatch): the run goes on,
-    and the log says why it cannot match an uninterrupted run bit for bit."""
-    from mtrain import mkl_dispatch
+    """last.pt written before checkpoints recorded every fast path, where MKL ran other kernels
+    than now (mtrain.cpu.mkl): the run goes on, and the log says why it cannot match an
+    uninterrupted run bit for bit."""
+    from mtrain.cpu import mkl
 
-    def as_the_other_kernels_write_it(train_state: dict) -> None:
-        assert train_state["mkl_intel_path"] == mkl_dispatch.loaded()
-        train_state["mkl_intel_path"] = not mkl_dispatch.loaded()
+    def as_the_other_kernels_wrote_it_before_the_record(train_state: dict) -> None:
+        assert train_state["mkl_intel_path"] == mkl.loaded()
+        train_state["mkl_intel_path"] = not mkl.loaded()
+        del train_state["acceleration"]
 
-    err = _resume_after_editing_last(copy_data, tmp_path, capsys, as_the_other_kernels_write_it)
+    err = _resume_after_editing_last(copy_data, tmp_path, capsys, as_the_other_kernels_wrote_it_before_the_record)
     assert "note: MKL ran its" in err and "will not match an uninterrupted one bit for bit" in err
     run(copy_data, tmp_path, "train.max_steps=6", "train.eval_every=2")  # saved as it runs now: no note
     assert "note: MKL ran" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", ["native", "fast"])
+def test_resume_where_the_cpu_fast_paths_differ_says_so_in_one_line(copy_data, tmp_path, capsys, path):
+    """last.pt records which CPU fast paths trained it (mtrain.cpu.acceleration); a resume on a
+    machine where one differs (no compiler there, MTRAIN_CPU_FAST=0) goes on and says so once."""
+    from mtrain import cpu
+
+    def as_another_machine_wrote_it(train_state: dict) -> None:
+        assert train_state["acceleration"] == cpu.acceleration()
+        train_state["acceleration"][path] = not train_state["acceleration"][path]
+
+    err = _resume_after_editing_last(copy_data, tmp_path, capsys, as_another_machine_wrote_it)
+    notes = [line for line in err.splitlines() if "the CPU fast paths differ" in line]
+    assert len(notes) == 1 and f"{path} " in notes[0] and "bit for bit" in notes[0]
+    assert "cpu: stand-ins" in err  # the one line saying which paths run
+    run(copy_data, tmp_path, "train.max_steps=6", "train.eval_every=2")
+    assert "the CPU fast paths differ" not in capsys.readouterr().err
+    assert checkpoint.load(tmp_path / "last.pt")["train_state"]["acceleration"] == cpu.acceleration()
 
 
 def test_failed_checkpoint_write_keeps_previous_files(copy_data, tmp_path, monkeypatch):

@@ -198,7 +198,7 @@ def test_cli_bad_arguments_fail_in_one_line(checkpoint, args, needle):
 @pytest.mark.parametrize("search", [["--greedy"], ["--beam", "3", "--nbest", "2"],
                                     ["--sample", "--nbest", "2", "--topk", "5", "--seed", "3"]])
 def test_cli_workers_translate_as_one_process_does(checkpoint, tmp_path, monkeypatch, search):
-    """--workers 2 decodes the batches in two processes (mtrain.workers) of one thread each: the
+    """--workers 2 decodes the batches in two processes (mtrain.cpu.workers) of one thread each: the
     output is byte for byte that of one process with one thread, over several chunks of many small
     batches, with empty lines kept. Against one process with two threads, whose matrix products may
     sum in another order (they did on an AMD Zen 4), the text is the same and the scores agree to
@@ -288,13 +288,13 @@ def test_outline_of_an_exported_folder_loads_no_translator(checkpoint, tmp_path,
 
 
 def torch_before_worker_start() -> bool:
-    from mtrain.workers import _worker
+    from mtrain.cpu.workers import _worker
 
     return _worker["torch_before_start"]
 
 
 def test_translate_workers_start_before_torch(checkpoint):
-    """MKL's dispatch (mtrain.mkl_dispatch) must come before torch: nothing a translate worker
+    """MKL's dispatch (mtrain.cpu.mkl) must come before torch: nothing a translate worker
     unpickles before its start imports torch."""
     from mtrain.translate import decoding_pool
 
@@ -338,7 +338,7 @@ def test_cli_bf16_decoding_is_line_aligned_and_matches_a_bf16_copy(checkpoint, m
     # translate_lines on a bfloat16 copy of the model, line for line, empty lines staying empty.
     from mtrain import hardware
     from mtrain.checkpoint import load_model
-    from mtrain.quantize import bfloat16_weights
+    from mtrain.cpu.quantize import bfloat16_weights
 
     monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: True)
     lines = REAL + ["", REAL[1]]

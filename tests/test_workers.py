@@ -1,4 +1,4 @@
-"""mtrain.workers: the decoding processes' pool, on jobs that need no model."""
+"""mtrain.cpu.workers: the decoding processes' pool, on jobs that need no model."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mtrain.errors import MtrainError
-from mtrain.workers import DecodingPool, threads_per_worker
+from mtrain.cpu.workers import DecodingPool, threads_per_worker
 
 
 def build_offset(offset: int) -> int:
@@ -92,7 +92,7 @@ def test_a_model_that_fails_to_load_in_a_worker_fails_the_run_in_one_line(capfd)
 
 
 def torch_before_start(model: None, job: int) -> bool:
-    from mtrain.workers import _worker
+    from mtrain.cpu.workers import _worker
 
     return _worker["torch_before_start"]
 
@@ -102,7 +102,7 @@ def build_nothing() -> None:
 
 
 def test_workers_set_up_mkl_before_torch():
-    """The MKL stub must load before torch (mtrain.mkl_dispatch): nothing a worker unpickles before
+    """The MKL stub must load before torch (mtrain.cpu.mkl): nothing a worker unpickles before
     its start imports torch."""
     with DecodingPool(f"{__name__}:build_nothing", (), f"{__name__}:torch_before_start", workers=1, threads=1) as pool:
         assert list(pool.map([0])) == [False]

@@ -1,4 +1,4 @@
-"""CPU kernels in C (cpu_kernels.c), which mtrain builds with the C compiler once per machine, into
+"""CPU kernels in C (native.c), which mtrain builds with the C compiler once per machine, into
 the user's cache folder, and calls through ctypes. For a bfloat16 model's decoding: attention over
 the cache, the logits' top-k with log-sum-exp, and, on CPUs with AMX, the linear layers of each
 step (amx_linear). For training: dropout masks (keep_mask), and the
@@ -46,24 +46,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
 import platform
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from mtrain.hardware import cpuinfo_fields
-from mtrain.mkl_dispatch import cache_dir, compiler, switched_off
+from mtrain.cpu import FAST_ENV, build, fast, switched_off
+from mtrain.cpu.build import compiler
 
 ENV = "MTRAIN_CPU_KERNELS"  # 0 (or off, false, no): decode with PyTorch's kernels only
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC")  # compiling; linking: -shared
-COMPILE_TIMEOUT_S = 120
 HEAD_SIZES = (32, 64, 128)  # the d_head values the kernel is built for
 MAX_QUERIES = 8  # per (row, head)
 MAX_KEYS = 4096
@@ -79,7 +75,7 @@ status = "not tried yet"
 
 def cpu_flags() -> str:
     """The CPU's feature flags from /proc/cpuinfo ('' where unreadable): -march=native builds for them."""
-    return cpuinfo_fields().get("flags", "")
+    return build.cpuinfo_fields().get("flags", "")
 
 
 def openmp_runtime(maps: Path = Path("/proc/self/maps"), torch_dir: Path | None = None) -> Path | None:
@@ -103,31 +99,28 @@ def openmp_runtime(maps: Path = Path("/proc/self/maps"), torch_dir: Path | None 
     return (inside or system or [None])[0]
 
 
+def library_key(cc: str, runtime: Path | None = None) -> list[str]:
+    """What decides the library built from SOURCE with FLAGS by `cc` for this CPU and OpenMP runtime:
+    the source, the flags, the compiler's version and target, the instruction sets -march=native
+    means here (asked of the compiler; /proc/cpuinfo's flags where it does not say) and the runtime."""
+    return [SOURCE.read_text(encoding="utf-8"), " ".join(FLAGS), cc, build.compiler_identity(cc),
+            platform.machine(), build.native_target(cc) or cpu_flags(), str(runtime)]
+
+
 def library_path(folder: Path, cc: str, runtime: Path | None = None) -> Path:
-    """Where the kernels built from SOURCE with FLAGS by `cc` for this CPU and OpenMP runtime live."""
-    key = "\n".join([SOURCE.read_text(encoding="utf-8"), " ".join(FLAGS), cc, platform.machine(), cpu_flags(),
-                     str(runtime)])
-    return folder / f"cpu-kernels-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+    """Where the kernels built with `cc` for this CPU and OpenMP runtime live in `folder`."""
+    return folder / build.library_name("cpu-kernels", library_key(cc, runtime))
 
 
-def build(path: Path, cc: str, runtime: Path) -> str | None:
-    """Compile SOURCE into `path` (atomically), linked to the OpenMP `runtime` torch loaded, by its
-    path: a second OpenMP runtime in the process would keep its own threads, which then contend
-    with torch's on every parallel region. None on success, else why it failed."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        built, objects = Path(tmp) / "kernels.so", Path(tmp) / "kernels.o"
-        steps = [[cc, *FLAGS, "-c", "-o", str(objects), str(SOURCE)],
-                 [cc, "-shared", "-o", str(built), str(objects), str(runtime), f"-Wl,-rpath,{runtime.parent}", "-lm"]]
-        try:
-            for step in steps:
-                subprocess.run(step, check=True, capture_output=True, timeout=COMPILE_TIMEOUT_S)
-        except (OSError, subprocess.SubprocessError) as err:
-            said = (getattr(err, "stderr", None) or b"").decode(errors="replace")
-            first = next((line.strip() for line in said.splitlines() if "error" in line), "")
-            return f"{cc} could not build {SOURCE.name} ({type(err).__name__}{': ' + first if first else ''})"
-        os.replace(built, path)
-    return None
+def compile_into(path: Path, cc: str, runtime: Path) -> str | None:
+    """Compile SOURCE into `path`, linked to the OpenMP `runtime` torch loaded, by its path: a
+    second OpenMP runtime in the process would keep its own threads, which then contend with
+    torch's on every parallel region. None on success, else why it failed."""
+    objects = path.with_suffix(".o")
+    failed = build.run_compiler([[cc, *FLAGS, "-c", "-o", str(objects), str(SOURCE)],
+                                 [cc, "-shared", "-o", str(path), str(objects), str(runtime),
+                                  f"-Wl,-rpath,{runtime.parent}", "-lm"]])
+    return failed and failed.replace("could not build it", f"could not build {SOURCE.name}")
 
 
 @functools.cache
@@ -139,6 +132,8 @@ def library() -> ctypes.CDLL | None:
 
 
 def _load() -> tuple[ctypes.CDLL | None, str]:
+    if not fast():
+        return None, f"off: {FAST_ENV}={os.environ[FAST_ENV]}"
     if switched_off(os.environ.get(ENV)):
         return None, f"off: {ENV}={os.environ[ENV]}"
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
@@ -146,20 +141,14 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     cc = compiler()
     if cc is None:
         return None, "off: no C compiler (cc, gcc or $CC) to build it"
+    if not (build.native_target(cc) or cpu_flags()):
+        return None, f"off: neither {cc} nor /proc/cpuinfo says which instruction sets this CPU has"
     runtime = openmp_runtime()
     if runtime is None:
         return None, "off: torch has no OpenMP runtime loaded (libgomp or libiomp5) to share"
-    try:
-        path = library_path(cache_dir(), cc, runtime)
-        failed = None
-        if not path.exists():
-            print(f"mtrain: building its CPU kernels into {path} (once per machine)", file=sys.stderr)
-            failed = build(path, cc, runtime)
-    except RuntimeError:
-        return None, "off: no home folder to keep it in (set XDG_CACHE_HOME)"
-    except OSError as err:
-        return None, f"off: cannot build it ({err.strerror or err})"
-    if failed:
+    key = library_key(cc, runtime)
+    path, failed = build.build_once("cpu-kernels", key, lambda into: _announce(into) or compile_into(into, cc, runtime))
+    if path is None:
         return None, f"off: {failed}"
     try:
         lib = ctypes.CDLL(str(path))
@@ -173,6 +162,10 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.mtrain_amx_ready.restype = ctypes.c_int
     lib.mtrain_amx_linear.restype = ctypes.c_int
     return lib, f"on: {path}"
+
+
+def _announce(into: Path) -> None:
+    print(f"mtrain: building its CPU kernels into {into.parent.parent} (once per machine and compiler)", file=sys.stderr)
 
 
 def wanted(x: Tensor) -> bool:
@@ -250,7 +243,7 @@ def topk_logsumexp(logits: Tensor, k: int, normaliser: bool = True) -> tuple[Ten
 def keep_mask(seed: int, n: int, threshold: int, width: int) -> Tensor | None:
     """n dropout-mask elements as int16 (width 2) or int32 (width 4): -1 to keep, 0 to drop, element
     i kept when the low 15 bits of 16-bit lane i % 4 of splitmix64 word i // 4 (the counter
-    seed + (i // 4 + 1) * golden gamma, mtrain.kernels.splitmix_words) are >= threshold. None where
+    seed + (i // 4 + 1) * golden gamma, mtrain.cpu.ops.splitmix_words) are >= threshold. None where
     the kernel is not loaded."""
     lib = library()
     if lib is None or width not in (2, 4):

@@ -1,4 +1,4 @@
-"""mtrain.cpu_kernels: the C kernel against attention in float64, its refusals, the cache's
+"""mtrain.cpu.native: the C kernel against attention in float64, its refusals, the cache's
 bfloat16 cache, and the switch and the fallbacks when it cannot be built."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from mtrain import cpu_kernels
+from mtrain.cpu import native
 from mtrain.cache import KVCache
 from mtrain.config import ModelConfig
 from mtrain.model import Transformer
-from mtrain.quantize import bfloat16_weights
+from mtrain.cpu.quantize import bfloat16_weights
 from mtrain.search import beam_search, greedy_search
 
-needs_kernel = pytest.mark.skipif(cpu_kernels.library() is None, reason=f"kernel not built: {cpu_kernels.status}")
+needs_kernel = pytest.mark.skipif(native.library() is None, reason=f"kernel not built: {native.status}")
 
 
 def reference(q, k, v, mask):
@@ -49,7 +49,7 @@ def test_kernel_equals_attention_in_float64(G, D, N):
     """Every query, any key count (inside one block of 16, on its edge, across blocks), no mask:
     within the float32 arithmetic and the result's one bfloat16 rounding of the exact value."""
     q, k, v = inputs(3, 2, G, N, D)
-    got = cpu_kernels.attend(q, k, v, None)
+    got = native.attend(q, k, v, None)
     want = reference(q, k, v, None)
     assert got.shape == (3, 2, G, D) and got.dtype == torch.bfloat16
     assert torch.allclose(got.double(), want, rtol=2 ** -8, atol=1e-5)
@@ -68,30 +68,30 @@ def test_kernel_honours_key_masks_and_per_query_masks():
     per_query = torch.rand(B, 1, G, N, generator=gen) > 0.6
     per_query[0, 0, 2] = False  # nothing allowed
     for mask in (keys, per_query):
-        got = cpu_kernels.attend(q, k, v, mask)
+        got = native.attend(q, k, v, mask)
         assert torch.allclose(got.double(), reference(q, k, v, mask), rtol=2 ** -8, atol=1e-5)
-    assert torch.equal(cpu_kernels.attend(q, k, v, per_query)[0, :, 2], torch.zeros(H, D, dtype=torch.bfloat16))
+    assert torch.equal(native.attend(q, k, v, per_query)[0, :, 2], torch.zeros(H, D, dtype=torch.bfloat16))
 
 
 @needs_kernel
 def test_result_is_laid_out_for_the_heads_concatenation():
     """(B, H, G, D) as a view of (B, G, H, D): concatenating the heads needs no copy."""
     q, k, v = inputs(2, 4, 5, 20, 64)
-    out = cpu_kernels.attend(q, k, v, None)
+    out = native.attend(q, k, v, None)
     assert out.transpose(1, 2).is_contiguous()
 
 
 @needs_kernel
 def test_kernel_declines_what_it_was_not_built_for():
     q, k, v = inputs(2, 2, 9, 20, 64)
-    assert cpu_kernels.attend(q, k, v, None) is None  # more than 8 queries
+    assert native.attend(q, k, v, None) is None  # more than 8 queries
     q, k, v = inputs(2, 2, 1, 20, 48)
-    assert cpu_kernels.attend(q, k, v, None) is None  # a d_head it has no build for
+    assert native.attend(q, k, v, None) is None  # a d_head it has no build for
     q, k, v = inputs(2, 2, 1, 20, 64)
-    assert cpu_kernels.attend(q.float(), k, v, None) is None  # float32 queries
-    assert cpu_kernels.attend(q, k, v, torch.ones(20, 20, dtype=torch.bool)) is None  # not (B, 1, G, N)
-    assert cpu_kernels.attend(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, None) is None  # keys by column
-    assert cpu_kernels.attend(q, k[:, :, :19], v, None) is None  # fewer keys than values
+    assert native.attend(q.float(), k, v, None) is None  # float32 queries
+    assert native.attend(q, k, v, torch.ones(20, 20, dtype=torch.bool)) is None  # not (B, 1, G, N)
+    assert native.attend(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, None) is None  # keys by column
+    assert native.attend(q, k[:, :, :19], v, None) is None  # fewer keys than values
 
 
 @pytest.fixture
@@ -128,7 +128,7 @@ def test_searches_agree_with_and_without_the_kernel(bf16_model, monkeypatch):
     src = torch.randint(4, 40, (12, 10), generator=gen)
     max_len = torch.full((12,), 12)
     with_kernel = (greedy_search(bf16_model, src, max_len), beam_search(bf16_model, src, 4, 0.6, max_len))
-    monkeypatch.setattr(cpu_kernels, "wanted", lambda x: False)
+    monkeypatch.setattr(native, "wanted", lambda x: False)
     without = (greedy_search(bf16_model, src, max_len), beam_search(bf16_model, src, 4, 0.6, max_len))
     assert sum(a == b for a, b in zip(with_kernel[0], without[0])) >= 11
     assert sum(a[0][0] == b[0][0] for a, b in zip(with_kernel[1], without[1])) >= 11
@@ -149,40 +149,70 @@ def test_float32_models_keep_the_float32_layout():
 def test_switched_off_and_without_a_compiler_nothing_is_built(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     try:
-        monkeypatch.setenv(cpu_kernels.ENV, "0")
-        cpu_kernels.library.cache_clear()
-        assert cpu_kernels.library() is None and cpu_kernels.status == f"off: {cpu_kernels.ENV}=0"
-        monkeypatch.delenv(cpu_kernels.ENV)
-        monkeypatch.setattr(cpu_kernels, "compiler", lambda: None)
-        cpu_kernels.library.cache_clear()
-        assert cpu_kernels.library() is None and "no C compiler" in cpu_kernels.status
+        monkeypatch.setenv(native.ENV, "0")
+        native.library.cache_clear()
+        assert native.library() is None and native.status == f"off: {native.ENV}=0"
+        monkeypatch.delenv(native.ENV)
+        monkeypatch.setattr(native, "compiler", lambda: None)
+        native.library.cache_clear()
+        assert native.library() is None and "no C compiler" in native.status
         assert not list(tmp_path.rglob("*.so"))
     finally:
-        cpu_kernels.library.cache_clear()
+        native.library.cache_clear()
 
 
 def test_a_failed_build_leaves_nothing_behind(monkeypatch, tmp_path):
     """A compiler that fails: the reason in one line, no library file, decoding unaffected."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.delenv(cpu_kernels.ENV, raising=False)
-    monkeypatch.setattr(cpu_kernels, "compiler", lambda: "false")  # /bin/false: exits 1
+    monkeypatch.delenv(native.ENV, raising=False)
+    monkeypatch.setattr(native, "compiler", lambda: "false")  # /bin/false: exits 1
     try:
-        cpu_kernels.library.cache_clear()
-        assert cpu_kernels.library() is None
-        assert cpu_kernels.status.startswith("off: false could not build cpu_kernels.c")
+        native.library.cache_clear()
+        assert native.library() is None
+        assert native.status.startswith("off: false could not build native.c")
+        assert not list(tmp_path.rglob("*.so"))
+        native.library.cache_clear()  # a new process: says why at once, without compiling again
+        monkeypatch.setattr(native, "compile_into", lambda *args: pytest.fail("compiled again"))
+        assert native.library() is None and "an earlier build; delete" in native.status
+    finally:
+        native.library.cache_clear()
+
+
+def test_library_name_follows_source_flags_compiler_cpu_and_openmp_runtime(tmp_path, monkeypatch):
+    from mtrain.cpu import build
+
+    gomp = tmp_path / "libgomp.so.1"
+    monkeypatch.setattr(build, "compiler_identity", lambda cc: "gcc (Debian 12.2.0-14) 12.2.0 x86_64-linux-gnu")
+    monkeypatch.setattr(build, "native_target", lambda cc: "-march=znver4 -mavx512bf16")
+    first = native.library_path(tmp_path, "gcc", gomp)
+    assert first == native.library_path(tmp_path, "gcc", gomp)
+    assert first != native.library_path(tmp_path, "clang", gomp)
+    assert first != native.library_path(tmp_path, "gcc", tmp_path / "libiomp5.so")
+    monkeypatch.setattr(build, "native_target", lambda cc: "-march=icelake-server")  # another CPU
+    assert first != native.library_path(tmp_path, "gcc", gomp)
+    monkeypatch.setattr(build, "native_target", lambda cc: "-march=znver4 -mavx512bf16")
+    monkeypatch.setattr(build, "compiler_identity", lambda cc: "gcc (Debian 13.1.0) 13.1.0 x86_64-linux-gnu")
+    assert first != native.library_path(tmp_path, "gcc", gomp)  # a new compiler version
+    monkeypatch.setattr(build, "native_target", lambda cc: "")  # a compiler that does not say: /proc/cpuinfo's flags
+    monkeypatch.setattr(native, "cpu_flags", lambda: "fpu sse2")
+    other = native.library_path(tmp_path, "gcc", gomp)
+    monkeypatch.setattr(native, "cpu_flags", lambda: "fpu sse2 avx2")
+    assert other != native.library_path(tmp_path, "gcc", gomp)
+
+
+def test_a_cpu_nobody_can_describe_builds_nothing(monkeypatch, tmp_path):
+    from mtrain.cpu import build
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(native.ENV, raising=False)
+    monkeypatch.setattr(build, "native_target", lambda cc: "")
+    monkeypatch.setattr(native, "cpu_flags", lambda: "")
+    try:
+        native.library.cache_clear()
+        assert native.library() is None and "which instruction sets this CPU has" in native.status
         assert not list(tmp_path.rglob("*.so"))
     finally:
-        cpu_kernels.library.cache_clear()
-
-
-def test_library_name_follows_source_flags_cpu_and_openmp_runtime(tmp_path, monkeypatch):
-    gomp = tmp_path / "libgomp.so.1"
-    first = cpu_kernels.library_path(tmp_path, "gcc", gomp)
-    assert first == cpu_kernels.library_path(tmp_path, "gcc", gomp)
-    assert first != cpu_kernels.library_path(tmp_path, "clang", gomp)
-    assert first != cpu_kernels.library_path(tmp_path, "gcc", tmp_path / "libiomp5.so")
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: "fpu sse2")
-    assert first != cpu_kernels.library_path(tmp_path, "gcc", gomp)
+        native.library.cache_clear()
 
 
 def test_openmp_runtime_is_the_one_mapped_into_the_process(tmp_path):
@@ -193,13 +223,13 @@ def test_openmp_runtime_is_the_one_mapped_into_the_process(tmp_path):
                     "7f01-7f02 r-xp 00000000 08:01 3 /venv/sentencepiece.libs/libgomp-6a29c32d.so.1.0.0\n"
                     "7f02-7f03 r-xp 00000000 08:01 2 /venv/torch/lib/libgomp-a34b3233.so.1\n"
                     "7f04-7f05 rw-p 00000000 00:00 0\n")
-    assert cpu_kernels.openmp_runtime(maps, torch_dir) == Path("/venv/torch/lib/libgomp-a34b3233.so.1")
+    assert native.openmp_runtime(maps, torch_dir) == Path("/venv/torch/lib/libgomp-a34b3233.so.1")
     maps.write_text("7f00-7f01 r-xp 00000000 08:01 3 /venv/sentencepiece.libs/libgomp-6a29c32d.so.1.0.0\n"
                     "7f02-7f03 r-xp 00000000 08:01 2 /usr/lib/x86_64-linux-gnu/libgomp.so.1\n")
-    assert cpu_kernels.openmp_runtime(maps, torch_dir) == Path("/usr/lib/x86_64-linux-gnu/libgomp.so.1")
+    assert native.openmp_runtime(maps, torch_dir) == Path("/usr/lib/x86_64-linux-gnu/libgomp.so.1")
     maps.write_text("7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n")
-    assert cpu_kernels.openmp_runtime(maps, torch_dir) is None
-    assert cpu_kernels.openmp_runtime(tmp_path / "missing", torch_dir) is None
+    assert native.openmp_runtime(maps, torch_dir) is None
+    assert native.openmp_runtime(tmp_path / "missing", torch_dir) is None
 
 
 @needs_kernel
@@ -211,9 +241,9 @@ def test_the_kernels_share_torchs_openmp_runtime():
     if shutil.which("ldd") is None:
         pytest.skip("no ldd to ask")
 
-    runtime = cpu_kernels.openmp_runtime()
+    runtime = native.openmp_runtime()
     assert runtime is not None and Path(torch.__file__).resolve().parent in runtime.parents
-    linked = subprocess.run(["ldd", str(cpu_kernels.library()._name)], capture_output=True, text=True).stdout
+    linked = subprocess.run(["ldd", str(native.library()._name)], capture_output=True, text=True).stdout
     gomp = [line.split("=>")[1].split()[0] for line in linked.splitlines() if "gomp" in line or "iomp5" in line]
     assert [Path(path).resolve() for path in gomp] == [runtime.resolve()]
 
@@ -221,7 +251,7 @@ def test_the_kernels_share_torchs_openmp_runtime():
 def check_topk(logits, k):
     """topk_logsumexp against torch on the float32 upcast (exact for bfloat16): the same values, ids
     that hold them (the first column of equal values first), and a float32-accurate normaliser."""
-    top, ids, lse = cpu_kernels.topk_logsumexp(logits, k)
+    top, ids, lse = native.topk_logsumexp(logits, k)
     x = logits.float()
     want_top = x.topk(k, dim=1).values
     assert torch.equal(top, want_top)
@@ -257,7 +287,7 @@ def test_topk_logsumexp_rows_with_fewer_finite_values_than_k():
     """A row with 2 finite values and k = 5 gets them, then -inf; an all -inf row gets -inf everywhere."""
     logits = torch.full((2, 40), float("-inf"), dtype=torch.bfloat16)
     logits[0, 7], logits[0, 30] = 1.5, 2.5
-    top, ids, lse = cpu_kernels.topk_logsumexp(logits, 5)
+    top, ids, lse = native.topk_logsumexp(logits, 5)
     assert top[0, :2].tolist() == [2.5, 1.5] and ids[0, :2].tolist() == [30, 7]
     assert top[0, 2:].isneginf().all() and top[1].isneginf().all()
     assert lse[0, 0].item() == pytest.approx(torch.tensor([1.5, 2.5]).logsumexp(0).item(), rel=1e-6)
@@ -273,8 +303,8 @@ def test_topk_logsumexp_reads_a_block_of_rows_with_a_stride():
 
 def test_topk_logsumexp_declines_float32_and_large_k():
     logits = torch.randn(3, 50)
-    assert cpu_kernels.topk_logsumexp(logits, 4) is None
-    assert cpu_kernels.topk_logsumexp(logits.bfloat16(), 33) is None
+    assert native.topk_logsumexp(logits, 4) is None
+    assert native.topk_logsumexp(logits.bfloat16(), 33) is None
 
 
 @needs_kernel
@@ -289,7 +319,7 @@ def test_beam_search_on_bfloat16_blocks_equals_the_float32_logits_path(bf16_mode
     max_len = torch.full((6,), 10)
     monkeypatch.setattr(search, "BLOCK_BYTES", 4 * 40 * 4)  # 4 rows a block
     fused = beam_search(bf16_model, src, 3, 0.6, max_len, nbest=3, no_repeat_ngram=2)
-    monkeypatch.setattr(cpu_kernels, "topk_logsumexp", lambda *args: None)
+    monkeypatch.setattr(native, "topk_logsumexp", lambda *args: None)
     plain = beam_search(bf16_model, src, 3, 0.6, max_len, nbest=3, no_repeat_ngram=2)
     for got, want in zip(fused, plain):
         assert [ids for ids, _ in got] == [ids for ids, _ in want]
@@ -325,14 +355,14 @@ def test_bfloat16_cache_holds_every_key_and_value_through_regrowths_and_reorders
 def test_topk_without_normaliser_is_the_first_argmax():
     """normaliser=False (greedy search): the same top values and columns, no log-sum-exp; top-1 is
     argmax's first column of equal maxima (search.best_rows)."""
-    from mtrain.kernels import argmax_rows
+    from mtrain.cpu.ops import argmax_rows
     from mtrain.search import best_rows
 
     logits = (torch.randn(20, 300) * 2).bfloat16()
     logits[3, 10] = logits[3, 250] = 99  # a tie: the first column wins
-    top, ids, lse = cpu_kernels.topk_logsumexp(logits, 3, normaliser=False)
+    top, ids, lse = native.topk_logsumexp(logits, 3, normaliser=False)
     assert lse is None
-    assert torch.equal(top, cpu_kernels.topk_logsumexp(logits, 3)[0]) and torch.equal(ids, cpu_kernels.topk_logsumexp(logits, 3)[1])
+    assert torch.equal(top, native.topk_logsumexp(logits, 3)[0]) and torch.equal(ids, native.topk_logsumexp(logits, 3)[1])
     assert torch.equal(best_rows(logits), argmax_rows(logits.float())) and best_rows(logits)[3] == 10
 
 
@@ -342,7 +372,7 @@ def test_float32_decoding_never_builds_the_kernels(monkeypatch):
     def refuse():
         raise AssertionError("float32 decoding asked for the C kernels")
 
-    monkeypatch.setattr(cpu_kernels, "library", refuse)
+    monkeypatch.setattr(native, "library", refuse)
     torch.manual_seed(0)
     model = Transformer(ModelConfig(d_model=32, d_ff=64, n_heads=2, n_encoder_layers=1, n_decoder_layers=1,
                                     vocab_size=20, dropout=0.0)).eval()
@@ -370,6 +400,6 @@ def test_where_the_kernel_declines_the_cache_is_attended_by_torch(bf16_model, mo
     assert torch.allclose(torch.cat([prefix, *rest], dim=1), full, atol=0.1, rtol=0.05)
     max_len = torch.full((4,), 8)
     with_kernel = beam_search(bf16_model, src, 9, 0.6, max_len)
-    monkeypatch.setattr(cpu_kernels, "wanted", lambda x: False)
+    monkeypatch.setattr(native, "wanted", lambda x: False)
     without = beam_search(bf16_model, src, 9, 0.6, max_len)
     assert sum(a[0][0] == b[0][0] for a, b in zip(with_kernel, without)) >= 3

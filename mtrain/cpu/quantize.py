@@ -21,10 +21,10 @@ import warnings
 import torch
 from torch import nn
 
-from mtrain import cpu_kernels
+from mtrain.cpu import native
 from mtrain.errors import MtrainError
 from mtrain.hardware import cpu_has_vnni
-from mtrain.kernels import onednn_linear_runs
+from mtrain.cpu.ops import on_fast_cpu, onednn_linear_runs, same_as_linear
 
 QUANTIZE_MODES = ("off", "int8")
 
@@ -106,7 +106,7 @@ def bfloat16_weights(model):
     of under autocast, which casts every layer's input and output and, at decoding's small steps,
     cost a third of what bfloat16 saved. The residual stream and layer norms are bfloat16 too; the
     sinusoid table stays float32, so each position's embedding is rounded once. Attention runs
-    in float32 on a CPU (model.attend); searches upcast the logits to float32 block by block."""
+    in float32 on a CPU (mtrain.attention); searches upcast the logits to float32 block by block."""
     members = getattr(model, "models", None)
     if members is not None:  # mtrain.ensemble.Ensemble
         for member in members:
@@ -115,7 +115,7 @@ def bfloat16_weights(model):
     model.to(torch.bfloat16)
     model.pe = model.pe.float()
     # oneDNN's bfloat16 kernels refuse CPUs without AVX-512 (or AVX-NE-CONVERT): nn.Linear's own path stays there
-    if model.pe.device.type == "cpu" and onednn_linear_runs(torch.bfloat16):
+    if on_fast_cpu(model.pe) and onednn_linear_runs(torch.bfloat16):
         _onednn_linears(model)
     return model
 
@@ -133,8 +133,8 @@ class OneDNNLinear(nn.Linear):
     and bfloat16 greedy decoding ran 1.06x, beam 5 1.03x as fast (docs/benchmarks.md). The packed
     copy costs the weight's memory once more (about 120 MB for the paper's base model in bfloat16).
 
-    Where the CPU has AMX and mtrain.cpu_kernels loads, up to cpu_kernels.AMX_MAX_ROWS rows (every
-    decoding step; the encoder's larger batches stay with oneDNN) go to cpu_kernels.amx_linear
+    Where the CPU has AMX and mtrain.cpu.native loads, up to native.AMX_MAX_ROWS rows (every
+    decoding step; the encoder's larger batches stay with oneDNN) go to native.amx_linear
     instead, on a second packed copy (the weight's memory once more again). oneDNN spends about
     20 us on each call before it multiplies, and ran 1024 -> 256 at 315 rows on one of two threads:
     the kernel took 12 us where oneDNN took 24 (64 x 256 -> 256) and 104 against 195 (315 x 1024 ->
@@ -147,8 +147,8 @@ class OneDNNLinear(nn.Linear):
         if torch.is_grad_enabled():
             y = super().forward(x)
             return torch.relu(y) if self.activation == "relu" else y
-        if cpu_kernels.AMX_LINEAR and cpu_kernels.amx_takes(x):  # it declines weights not of x's layer
-            y = cpu_kernels.amx_linear(x, self.packed_weight("amx"), self.bias, self.activation == "relu",
+        if native.AMX_LINEAR and native.amx_takes(x):  # it declines weights not of x's layer
+            y = native.amx_linear(x, self.packed_weight("amx"), self.bias, self.activation == "relu",
                                        self.out_features)
             if y is not None:
                 return y
@@ -160,7 +160,7 @@ class OneDNNLinear(nn.Linear):
         return {key: value for key, value in self.__dict__.items() if key != "_packings"}
 
     def packed_weight(self, kernel: str = "onednn") -> torch.Tensor:
-        """The weight in the layout of `kernel` (oneDNN's, or cpu_kernels.amx_pack's for "amx"),
+        """The weight in the layout of `kernel` (oneDNN's, or native.amx_pack's for "amx"),
         packed again whenever the weight changed since (a new tensor, or an in-place write, which
         bumps its version). A weight made under torch.inference_mode has no version to tell an
         in-place write by: it is packed at every call."""
@@ -175,8 +175,23 @@ class OneDNNLinear(nn.Linear):
         return packings[kernel][1]
 
 
-_PACKINGS = {"onednn": lambda weight: torch.ops.mkldnn._reorder_linear_weight(weight, None),
-             "amx": cpu_kernels.amx_pack}
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    """The weight in oneDNN's blocked layout (torch.ops.mkldnn._reorder_linear_weight, private), or
+    as it is where that op is missing or gives a layout the linear kernel does not read as the
+    plain weight: oneDNN then reorders it at each call, slower but the same."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None) if _onednn_packing_works() else weight
+
+
+@functools.cache
+def _onednn_packing_works() -> bool:
+    def packed_linear_relu(x, weight, bias):
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "relu", [], "")
+
+    return same_as_linear(packed_linear_relu, torch.bfloat16)
+
+
+_PACKINGS = {"onednn": _onednn_pack, "amx": native.amx_pack}
 
 
 def _onednn_linears(model: nn.Module) -> None:

@@ -21,21 +21,19 @@ it does nothing and says why (`status`)."""
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import platform
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from mtrain.cpu import build
+from mtrain.cpu.build import compiler
 
 ENV = "MTRAIN_MKL_INTEL_PATH"  # 1 (or on, true, yes) loads the stub; unset or anything else keeps MKL's own choice
 STUB_SOURCE = "int mkl_serv_intel_cpu_true(void) { return 1; }\n"
 VENDORS = ("AuthenticAMD", "HygonGenuine")  # x86-64 CPUs that MKL sends down its generic paths
-COMPILE_TIMEOUT_S = 60
 
-status = "off: not asked for (mtrain.mkl_dispatch.enable() was not called)"
+status = "off: not asked for (mtrain.cpu.mkl.enable() was not called)"
 _amd = False  # whether enable() ran on a CPU the stub is for: then `note` reports the outcome
 
 
@@ -49,11 +47,6 @@ def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
     except OSError:
         return None
     return None
-
-
-def switched_off(setting: str | None) -> bool:
-    """Whether an environment switch reads 0, off, false or no (any case, spaces around)."""
-    return (setting or "").strip().lower() in ("0", "off", "false", "no")
 
 
 def switched_on(setting: str | None) -> bool:
@@ -72,40 +65,21 @@ def reason_to_skip(vendor: str | None, setting: str | None, machine: str, system
     return None
 
 
-def cache_dir() -> Path:
-    """$XDG_CACHE_HOME/mtrain, or ~/.cache/mtrain (RuntimeError where there is no home folder)."""
-    base = os.environ.get("XDG_CACHE_HOME")
-    return (Path(base) if base else Path.home() / ".cache") / "mtrain"
+def stub_key(cc: str) -> list[str]:
+    """What decides the stub: its source and the compiler that builds it."""
+    return [STUB_SOURCE, cc, build.compiler_identity(cc), platform.machine()]
 
 
-def stub_path(folder: Path) -> Path:
-    """Where the stub built from STUB_SOURCE lives (its name carries the source's hash)."""
-    digest = hashlib.sha256(STUB_SOURCE.encode()).hexdigest()[:12]
-    return folder / f"mkl-intel-path-{digest}.so"
+def stub_path(folder: Path, cc: str) -> Path:
+    """Where the stub built from STUB_SOURCE by `cc` lives in `folder`."""
+    return folder / build.library_name("mkl-intel-path", stub_key(cc))
 
 
-def compiler() -> str | None:
-    """$CC, else cc or gcc on PATH."""
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-def build_stub(path: Path) -> str | None:
-    """Compile STUB_SOURCE into the shared library `path` (atomically: a half-written library is
-    never loaded); None on success, else why it failed."""
-    cc = compiler()
-    if cc is None:
-        return "no C compiler (cc, gcc or $CC) to build it"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        source, built = Path(tmp) / "stub.c", Path(tmp) / "stub.so"
-        source.write_text(STUB_SOURCE)
-        try:
-            subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(built), str(source)], check=True,
-                           capture_output=True, timeout=COMPILE_TIMEOUT_S)
-        except (OSError, subprocess.SubprocessError) as err:
-            return f"{cc} could not build it ({type(err).__name__})"
-        os.replace(built, path)
-    return None
+def compile_stub(path: Path, cc: str) -> str | None:
+    """Compile STUB_SOURCE into the shared library `path`; None on success, else why it failed."""
+    source = path.with_suffix(".c")
+    source.write_text(STUB_SOURCE)
+    return build.run_compiler([[cc, "-shared", "-fPIC", "-O2", "-o", str(path), str(source)]])
 
 
 def enable() -> str:
@@ -137,15 +111,11 @@ def _enable(vendor: str | None) -> str:
         return skip
     if "torch" in sys.modules:
         return "off: torch was imported before the stub could be loaded"
-    try:
-        path = stub_path(cache_dir())
-    except RuntimeError:
-        return "off: no home folder to keep the stub in (set XDG_CACHE_HOME)"
-    try:
-        failed = None if path.exists() else build_stub(path)
-    except OSError as err:
-        failed = f"cannot write {path.parent} ({err.strerror or err})"
-    if failed:
+    cc = compiler()
+    if cc is None:
+        return "off: no C compiler (cc, gcc or $CC) to build it"
+    path, failed = build.build_once("mkl-intel-path", stub_key(cc), lambda into: compile_stub(into, cc))
+    if path is None:
         return f"off: {failed}"
     try:
         ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)

@@ -1,4 +1,4 @@
-/* Decoding kernels for a bfloat16 model on a CPU, built and called by mtrain.cpu_kernels (which
+/* Decoding kernels for a bfloat16 model on a CPU, built and called by mtrain.cpu.native (which
    says why they exist and what they were measured against).
 
    mtrain_cache_attention: attention of a few queries per (row, head) over a decoding cache.
@@ -414,7 +414,7 @@ int mtrain_topk_logsumexp(const uint16_t *x, int64_t rows, int64_t V, int64_t st
    splitmix64's output for the counter seed + (j + 1) * golden gamma, a function of (seed, j) alone,
    so any number of threads gives the same bits; element i takes the low 15 bits of word i / 4's
    16-bit lane i % 4 as its uniform u and is kept when u >= threshold (a drop rate of
-   threshold / 2^15). mtrain.kernels.splitmix_words computes the same words with PyTorch's integer
+   threshold / 2^15). mtrain.cpu.ops.splitmix_words computes the same words with PyTorch's integer
    ops where this file is not built. */
 
 typedef uint64_t u64x8 __attribute__((vector_size(64)));
@@ -512,7 +512,7 @@ int mtrain_ce_grad(uint16_t *x, int64_t rows, int64_t V, int64_t stride, const f
 
    out (M, N) = x (M, K) W^T + bias, optionally through a ReLU, for bfloat16 x and W on a CPU with
    AMX-BF16: the tile units multiply a 16 x 32 block of x by a 32 x 16 block of W into 16 x 16
-   float32 sums in one instruction. W is packed once (mtrain.cpu_kernels.amx_pack) into the tiles'
+   float32 sums in one instruction. W is packed once (mtrain.cpu.native.amx_pack) into the tiles'
    layout: for each 16 outputs and 32 inputs, 16 rows of 16 output pairs of consecutive inputs.
    Each thread computes 32 x 32 blocks of out, in four accumulator tiles over the K/32 steps, and
    rounds them to bfloat16 once, after the bias (and ReLU) in float32. The blocks are dealt out

@@ -10,8 +10,8 @@ import torch
 
 from conftest import DEVICES
 from mtrain import loss as loss_module
-from mtrain import cpu_kernels
-from mtrain.kernels import Dropout, keep_bits, splitmix_words
+from mtrain.cpu import native
+from mtrain.cpu.ops import Dropout, keep_bits, splitmix_words
 from mtrain.loss import label_smoothed_loss, projected_label_smoothed_loss
 
 
@@ -83,10 +83,10 @@ def test_fused_loss_holds_where_plain_sums_of_exp_would_not(monkeypatch, dtype, 
         torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.abs().max().item())
 
 
-needs_cpu_kernels = pytest.mark.skipif(cpu_kernels.library() is None, reason=f"kernel not built: {cpu_kernels.status}")
+needs_native = pytest.mark.skipif(native.library() is None, reason=f"kernel not built: {native.status}")
 
 
-@needs_cpu_kernels
+@needs_native
 @pytest.mark.parametrize("vocab", [16, 1003])
 def test_cross_entropy_kernels_equal_the_formulas_in_float64(vocab):
     """Row sums of exp and means of bfloat16 logits to float32 rounding; the gradient written over
@@ -97,20 +97,20 @@ def test_cross_entropy_kernels_equal_the_formulas_in_float64(vocab):
     logits = (torch.randn(37, vocab, generator=gen) * 3).bfloat16()
     target = torch.randint(0, vocab, (37,), generator=gen)
     sums, means = torch.empty(37), torch.empty(37)
-    assert cpu_kernels.cross_entropy_sums(logits, sums, means)
+    assert native.cross_entropy_sums(logits, sums, means)
     x = logits.double()
     torch.testing.assert_close(sums.double(), x.exp().sum(1), rtol=1e-5, atol=0)
     torch.testing.assert_close(means.double(), x.mean(1), rtol=1e-5, atol=1e-6)
     lse, g, eps = x.logsumexp(1), -0.37, 0.1
     want = g * (x - lse[:, None]).exp() - g * eps / vocab
     want[torch.arange(37), target] -= g * (1 - eps)
-    assert cpu_kernels.cross_entropy_gradient_(logits, lse.float(), target, g, eps)
+    assert native.cross_entropy_gradient_(logits, lse.float(), target, g, eps)
     terms = abs(g) * ((x - lse[:, None]).exp() + eps / vocab)  # float32 rounds these before they cancel
     assert ((logits.double() - want).abs() <= want.abs() * 2 ** -8 + terms * 2 ** -20).all()
 
 
 def test_kernels_are_never_built_for_other_devices_or_dtypes(monkeypatch):
-    """The loss and beam search ask mtrain.cpu_kernels for their passes whatever the device (a GPU's
+    """The loss and beam search ask mtrain.cpu.native for their passes whatever the device (a GPU's
     bfloat16 logits too): for anything but bfloat16 rows on a CPU the answer is no, before the
     library is loaded or built."""
     from mtrain.search import _float_unless_bfloat16
@@ -118,28 +118,28 @@ def test_kernels_are_never_built_for_other_devices_or_dtypes(monkeypatch):
     def no_build():
         raise AssertionError("library() called")
 
-    monkeypatch.setattr(cpu_kernels, "library", no_build)
+    monkeypatch.setattr(native, "library", no_build)
     lse, target = torch.zeros(3), torch.zeros(3, dtype=torch.int64)
     for logits in (torch.empty(3, 16, dtype=torch.bfloat16, device="meta"), torch.zeros(3, 16)):
-        assert not cpu_kernels.cross_entropy_sums(logits, torch.zeros(3), None)
-        assert not cpu_kernels.cross_entropy_gradient_(logits, lse, target, 1.0, 0.1)
-        assert cpu_kernels.topk_logsumexp(logits, 2) is None  # beam search's, on a GPU's bfloat16 logits
+        assert not native.cross_entropy_sums(logits, torch.zeros(3), None)
+        assert not native.cross_entropy_gradient_(logits, lse, target, 1.0, 0.1)
+        assert native.topk_logsumexp(logits, 2) is None  # beam search's, on a GPU's bfloat16 logits
         assert _float_unless_bfloat16(torch.Tensor.float)(logits).dtype == torch.float32  # the search's blocks
 
 
-@needs_cpu_kernels
+@needs_native
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 @pytest.mark.parametrize("shift", [0.0, 85.0, 300.0, -300.0])
 def test_bfloat16_loss_by_the_kernels_equals_pytorchs_chunks(monkeypatch, eps, shift):
-    """Under bfloat16 autocast the fused loss's row sums and gradient come from mtrain.cpu_kernels:
+    """Under bfloat16 autocast the fused loss's row sums and gradient come from mtrain.cpu.native:
     the loss and NLL of PyTorch's chunked passes to float32 rounding, the gradients to bfloat16's,
     also with a row moved out of the range where sums without the maximum hold (summed again)."""
     states, weight, target = problem(n=70, d=16, vocab=1003, dtype=torch.float32)
     weight[:, -1] = 1.0
     states[5, -1] = shift
     kernel = both(states, weight, target, eps, True, autocast=True)
-    monkeypatch.setattr(cpu_kernels, "cross_entropy_sums", lambda *args: False)
-    monkeypatch.setattr(cpu_kernels, "cross_entropy_gradient_", lambda *args: False)
+    monkeypatch.setattr(native, "cross_entropy_sums", lambda *args: False)
+    monkeypatch.setattr(native, "cross_entropy_gradient_", lambda *args: False)
     chunks = both(states, weight, target, eps, True, autocast=True)
     for a, b in zip(kernel[:2], chunks[:2]):
         assert torch.isfinite(a).all()
@@ -279,7 +279,7 @@ def test_splitmix_words_are_splitmix64(seed):
     assert splitmix64_reference(0, 1) == [0xE220A8397B1DCDAF]
 
 
-@pytest.mark.skipif(cpu_kernels.library() is None, reason=f"kernel not built: {cpu_kernels.status}")
+@pytest.mark.skipif(native.library() is None, reason=f"kernel not built: {native.status}")
 @pytest.mark.parametrize("threshold", [0, 1, 3277, 16384, 32767])
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 4 * 1001 + 3])
 def test_c_masks_equal_the_pytorch_masks_for_any_thread_count(n, threshold):
@@ -293,8 +293,8 @@ def test_c_masks_equal_the_pytorch_masks_for_any_thread_count(n, threshold):
             previous = torch.get_num_threads()
             torch.set_num_threads(threads)
             try:
-                assert torch.equal(cpu_kernels.keep_mask(seed, n, threshold, 2), expected)
-                assert torch.equal(cpu_kernels.keep_mask(seed, n, threshold, 4), expected.int())
+                assert torch.equal(native.keep_mask(seed, n, threshold, 2), expected)
+                assert torch.equal(native.keep_mask(seed, n, threshold, 4), expected.int())
             finally:
                 torch.set_num_threads(previous)
 
@@ -311,7 +311,7 @@ def test_masks_follow_torchs_generator_and_every_lane_bit_is_fair(monkeypatch):
     second = keep_bits(x, 0.5)[0]
     torch.set_rng_state(state)
     assert torch.equal(keep_bits(x, 0.5)[0], second) and not torch.equal(first, second)
-    monkeypatch.setattr(cpu_kernels, "keep_mask", lambda *args: None)  # PyTorch's integer ops
+    monkeypatch.setattr(native, "keep_mask", lambda *args: None)  # PyTorch's integer ops
     torch.set_rng_state(state)
     assert torch.equal(keep_bits(x, 0.5)[0], second)
     torch.manual_seed(21)
@@ -392,7 +392,7 @@ def test_dropout_linear_is_dropout_of_the_layer(in_scale):
     """dropout_linear(layer, x, p, in_scale) = dropout(layer(x * in_scale)) with the same draw: the
     scales folded into the weight change values by rounding only (float64 here), and the
     gradients by x, the weight and the bias are those of the plain composition."""
-    from mtrain.kernels import dropout_linear, keep_scale
+    from mtrain.cpu.ops import dropout_linear, keep_scale
 
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(3, 5, 8, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -414,7 +414,7 @@ def test_dropout_linear_is_dropout_of_the_layer(in_scale):
 
 
 def test_dropout_linear_in_evaluation_is_the_layer():
-    from mtrain.kernels import dropout_linear
+    from mtrain.cpu.ops import dropout_linear
 
     layer, x = torch.nn.Linear(8, 6), torch.randn(4, 8)
     assert torch.equal(dropout_linear(layer, x, 0.3, False), layer(x))
@@ -425,7 +425,7 @@ def test_dropout_linear_in_evaluation_is_the_layer():
 def test_relu_dropout_clears_dropped_and_negative_elements_unscaled(dtype):
     """relu_dropout gives max(0, h) where kept and 0 where dropped, unscaled, with the scale for
     the next layer; its gradient passes exactly where the output is positive."""
-    from mtrain.kernels import keep_scale, relu_dropout
+    from mtrain.cpu.ops import keep_scale, relu_dropout
 
     h = torch.randn(50, 40, generator=torch.Generator().manual_seed(2)).to(dtype).requires_grad_()
     torch.manual_seed(11)
@@ -443,7 +443,7 @@ def test_relu_dropout_clears_dropped_and_negative_elements_unscaled(dtype):
 def test_feed_forward_in_training_is_relu_dropout_linear_dropout():
     """The FFN's training path (ReLU and dropout in one, both scales in W2) equals the module
     sequence ReLU, Dropout, Linear, then the residual dropout, with the same two draws."""
-    from mtrain.kernels import keep_scale
+    from mtrain.cpu.ops import keep_scale
     from mtrain.model import FeedForward
 
     torch.manual_seed(0)
@@ -462,7 +462,7 @@ def test_feed_forward_in_training_is_relu_dropout_linear_dropout():
 def _onednn_case(dtype, relu: bool, p: float):
     """(y, grads by x, W, b) of the kernels' training linear layer for float32 inputs computed in
     dtype (under autocast for bfloat16), and the same composition in float64 with the same draw."""
-    from mtrain.kernels import dropout_linear, keep_scale, linear, linear_relu_dropout
+    from mtrain.cpu.ops import dropout_linear, keep_scale, linear, linear_relu_dropout
 
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(5, 7, 16, generator=gen).requires_grad_()
@@ -505,7 +505,7 @@ def test_onednn_training_linear_is_the_plain_composition(dtype, relu, p):
     dropout mask applied to the matmul's output: output and gradients by x, W and b are those of
     linear -> (ReLU) -> dropout in float64 with the same draw, to the dtype's rounding; dropped and
     negative outputs are exactly 0, and the gradient passes nowhere else."""
-    from mtrain.kernels import onednn_linear_runs
+    from mtrain.cpu.ops import onednn_linear_runs
 
     if not onednn_linear_runs(dtype):
         pytest.skip(f"oneDNN's {dtype} linear does not run on this CPU")
@@ -520,10 +520,10 @@ def test_onednn_training_linear_is_the_plain_composition(dtype, relu, p):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_softmax_rows_is_torch_softmax_in_value_and_gradient_at_every_width(dtype):
-    """kernels.softmax_rows pads rows shorter than 16 with -inf on a CPU: every width from 1 to 20
+    """ops.softmax_rows pads rows shorter than 16 with -inf on a CPU: every width from 1 to 20
     gives torch.softmax's weights (masked -inf entries included, a row of only -inf NaN as torch
     gives it) and softmax_rows_backward gives autograd's gradient of torch.softmax."""
-    from mtrain.kernels import softmax_rows, softmax_rows_backward
+    from mtrain.cpu.ops import softmax_rows, softmax_rows_backward
 
     gen = torch.Generator().manual_seed(3)
     tolerance = 1e-6 if dtype == torch.float32 else 1e-13
@@ -543,3 +543,45 @@ def test_softmax_rows_is_torch_softmax_in_value_and_gradient_at_every_width(dtyp
         ours = softmax_rows_backward(grad, got)
         assert ours.shape == x.shape
         assert (ours - leaf.grad.nan_to_num()).abs().max().item() < tolerance
+
+
+# --- private PyTorch ops: each is tried once, and a PyTorch where it is missing or changed keeps a public path
+
+
+def test_softmax_backward_falls_back_to_the_formula_where_the_private_op_changes(monkeypatch):
+    from mtrain.cpu import ops
+
+    weights = torch.softmax(torch.randn(4, 7, 11, dtype=torch.float64), -1)
+    grad = torch.randn(4, 7, 11, dtype=torch.float64)
+    want = weights * (grad - (grad * weights).sum(-1, keepdim=True))
+    assert torch.allclose(ops.softmax_rows_backward(grad, weights), want)
+
+    def changed(*args):
+        raise TypeError("_softmax_backward_data() takes 3 positional arguments but 4 were given")
+
+    monkeypatch.setattr(torch, "_softmax_backward_data", changed)
+    ops._private_softmax_backward.cache_clear()
+    try:
+        assert torch.allclose(ops.softmax_rows_backward(grad, weights), want)
+    finally:
+        ops._private_softmax_backward.cache_clear()
+
+
+def test_training_linear_layers_keep_nn_linear_where_onednns_private_op_changes(monkeypatch):
+    from mtrain.cpu import ops
+
+    def changed(x, weight, bias, attr, scalars, algorithm):
+        raise RuntimeError("mkldnn::_linear_pointwise: unknown argument")
+
+    layer = torch.nn.Linear(16, 8)
+    x = torch.randn(5, 16, requires_grad=True)
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", changed)
+    ops.onednn_linear_runs.cache_clear()
+    try:
+        assert not ops.onednn_linear_runs(torch.float32)
+        y = ops.linear(layer, x, training=True)
+        assert torch.allclose(y, torch.nn.functional.linear(x, layer.weight, layer.bias))
+        y.sum().backward()
+        assert x.grad is not None
+    finally:
+        ops.onednn_linear_runs.cache_clear()

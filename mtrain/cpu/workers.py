@@ -17,7 +17,7 @@ rounding and the text differs only where two candidates tie within it. Each proc
 copy of the model, and the calling process (which reads, tokenizes and writes) none
 (translate.load_outline).
 
-This module imports no torch at the top: a worker runs mkl_dispatch.enable() (which must come
+This module imports no torch at the top: a worker runs mkl.enable() (which must come
 before torch is imported, and follows the same opt-in setting as the calling process) before it
 builds its model."""
 
@@ -48,10 +48,10 @@ def _start(build: str, build_args: tuple, run: str, threads: int) -> None:
     handle: it ends the workers. A model that fails to build fails every job with its one-line
     message, rather than the pool's traceback."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _worker["torch_before_start"] = "torch" in sys.modules  # what mkl_dispatch needs to be False
-    from mtrain import mkl_dispatch
+    _worker["torch_before_start"] = "torch" in sys.modules  # what mtrain.cpu.mkl needs to be False
+    from mtrain.cpu import mkl
 
-    mkl_dispatch.enable()
+    mkl.enable()
     import torch
 
     torch.set_num_threads(threads)

@@ -14,9 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mtrain import cpu_kernels
+from mtrain.cpu import fast, native
 
 NEG_INF = float("-inf")
+
+
+def on_fast_cpu(x: Tensor) -> bool:
+    """Whether x is on a CPU and the stand-ins may run (mtrain.cpu.fast: MTRAIN_CPU_FAST)."""
+    return x.device.type == "cpu" and fast()
 
 
 class Dropout(nn.Dropout):
@@ -31,7 +36,7 @@ class Dropout(nn.Dropout):
 
 def _cpu_masks(x: Tensor, p: float, training: bool) -> bool:
     """Whether dropout of x takes a mask from keep_bits (else F.dropout)."""
-    return (training and p > 0.0 and x.device.type == "cpu" and x.is_floating_point()
+    return (training and p > 0.0 and on_fast_cpu(x) and x.is_floating_point()
             and not torch.compiler.is_compiling())
 
 
@@ -100,7 +105,7 @@ def _mask_seed() -> int:
 def cpu_keep_lanes(seed: int, n: int, threshold: int, width: int) -> Tensor:
     """keep_mask's n elements on a CPU, as int16 or (width 4) int32: element i is kept (-1) when the
     low 15 bits of 16-bit lane i % 4 of splitmix_words(seed, .)[i // 4] are >= threshold, else 0.
-    mtrain.cpu_kernels draws and compares them in one pass over the mask, where it is built; the same
+    mtrain.cpu.native draws and compares them in one pass over the mask, where it is built; the same
     bits come from PyTorch's integer ops elsewhere, so a run's masks do not depend on the C compiler.
 
     Masks were the largest share of a bfloat16 training step after the matmuls: numpy's PCG64DXSM
@@ -108,7 +113,7 @@ def cpu_keep_lanes(seed: int, n: int, threshold: int, width: int) -> Tensor:
     elements (2-core AMX host, idle) where the C kernel takes 0.52, and the step ran 1.07-1.08x as
     fast (float32 1.04x). PyTorch's ops take 5.2 ms (docs/benchmarks.md, "Dropout masks in C")."""
     with torch.profiler.record_function("mtrain::keep_mask"):
-        keep = cpu_kernels.keep_mask(seed, n, threshold, 4 if width == 4 else 2)
+        keep = native.keep_mask(seed, n, threshold, 4 if width == 4 else 2)
         if keep is not None:
             return keep
         lanes = splitmix_words(seed, (n + 3) // 4).view(torch.int16)[:n]
@@ -250,21 +255,39 @@ def linear_relu_dropout(layer: nn.Linear, x: Tensor, p: float, training: bool) -
 def onednn_linear_runs(dtype: torch.dtype) -> bool:
     """Whether oneDNN's linear (torch.ops.mkldnn._linear_pointwise, the kernel torch.compile's CPU
     backend emits) runs in dtype here: float32 wherever PyTorch has oneDNN, bfloat16 only where
-    its kernels accept the CPU (AVX-512 or AVX-NE-CONVERT)."""
+    its kernels accept the CPU (AVX-512 or AVX-NE-CONVERT). The op is private, so it is also tried
+    once, on a small problem, against F.linear: a PyTorch where it is missing, takes other
+    arguments or gives other values keeps nn.Linear's path."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return False
-    if dtype == torch.float32:
-        return True
-    try:
-        return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
+    if dtype == torch.bfloat16:
+        try:
+            if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+                return False
+        except (AttributeError, RuntimeError):
+            return False
+    elif dtype != torch.float32:
         return False
+    return same_as_linear(lambda x, w, b: torch.ops.mkldnn._linear_pointwise(x, w, b, "relu", [], ""), dtype)
+
+
+def same_as_linear(linear_relu, dtype: torch.dtype) -> bool:
+    """Whether linear_relu(x, W, b) gives max(0, x W^T + b) for a small problem in dtype."""
+    generator = torch.Generator().manual_seed(0)
+    x, weight, bias = (torch.randn(*shape, generator=generator).to(dtype) for shape in ((5, 64), (24, 64), (24,)))
+    try:
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+            y = linear_relu(x, weight, bias)
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+    want = F.relu(F.linear(x.double(), weight.double(), bias.double()))
+    return y.shape == want.shape and torch.allclose(y.double(), want, rtol=2e-2, atol=2e-2)
 
 
 def _onednn_dtype(x: Tensor, training: bool) -> torch.dtype | None:
     """The dtype a training step's linear layer multiplies x in, where _OneDNNLinear runs it (a CPU,
     float32 or bfloat16, eager); None where nn.Linear does."""
-    if not training or x.device.type != "cpu" or torch.compiler.is_compiling():
+    if not training or not on_fast_cpu(x) or torch.compiler.is_compiling():
         return None
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
     return dtype if dtype in (torch.float32, torch.bfloat16) and onednn_linear_runs(dtype) else None
@@ -360,7 +383,7 @@ class _BatchedAttention(torch.autograd.Function):
 
 
 def heads_attention(q: Tensor, kv: Tensor | None, mask: Tensor | None, is_causal: bool) -> Tensor:
-    """batched_attention on heads laid out as mtrain.packing.Packing.to_heads gives them, heads
+    """batched_attention on heads laid out as mtrain.cpu.packing.Packing.to_heads gives them, heads
     before sentences: q (3, H * B, T, d_head) holding Q, K and V for self-attention (kv None), or
     q (1, H * B, T, d_head) and kv (2, H * B, S, d_head) for cross-attention. mask broadcasts to
     (B, 1, T, S). Returns (H * B, T, d_head). Q, K and V are read where they lie and their
@@ -431,7 +454,7 @@ SOFTMAX_WIDTH = 16
 
 
 def _pads_softmax(x: Tensor) -> bool:
-    return x.device.type == "cpu" and 1 < x.size(-1) < SOFTMAX_WIDTH
+    return on_fast_cpu(x) and 1 < x.size(-1) < SOFTMAX_WIDTH
 
 
 def softmax_rows(x: Tensor) -> Tensor:
@@ -448,15 +471,35 @@ def softmax_rows_backward(grad: Tensor, weights: Tensor) -> Tensor:
     """The gradient of the scores from that of softmax_rows' weights: w * (g - sum(g * w)) per row,
     with short rows padded by zeros in g and w, which add nothing to the sum."""
     if not _pads_softmax(weights):
-        return torch._softmax_backward_data(grad, weights, -1, weights.dtype)
+        return softmax_backward(grad, weights)
     width, pad = weights.size(-1), (0, SOFTMAX_WIDTH - weights.size(-1))
-    return torch._softmax_backward_data(F.pad(grad, pad), F.pad(weights, pad), -1, weights.dtype)[..., :width]
+    return softmax_backward(F.pad(grad, pad), F.pad(weights, pad))[..., :width]
+
+
+def softmax_backward(grad: Tensor, weights: Tensor) -> Tensor:
+    """w * (g - sum(g * w)) over the last dimension: PyTorch's own kernel for it (one pass,
+    torch._softmax_backward_data) where that private op takes these arguments, else the formula."""
+    if _private_softmax_backward():
+        return torch._softmax_backward_data(grad, weights, -1, weights.dtype)
+    return weights * (grad - (grad * weights).sum(-1, keepdim=True))
+
+
+@functools.cache
+def _private_softmax_backward() -> bool:
+    """Whether torch._softmax_backward_data(grad, weights, dim, dtype) exists and gives the formula."""
+    weights = torch.softmax(torch.arange(6.0).view(2, 3), -1)
+    grad = torch.ones(2, 3).cumsum(-1)
+    try:
+        got = torch._softmax_backward_data(grad, weights, -1, weights.dtype)
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+    return torch.allclose(got, weights * (grad - (grad * weights).sum(-1, keepdim=True)))
 
 
 def _softmax_dtype(q: Tensor) -> torch.dtype:
     """The dtype attention's scores and softmax take: q's own in float32 and float64; float32 for
     bfloat16 q, k and v, whose matmuls run in bfloat16 around a float32 softmax, exactly as
-    mtrain.model.bfloat16_attention does (and autograd's backward through it)."""
+    mtrain.attention.bfloat16_attention does (and autograd's backward through it)."""
     return torch.float32 if q.dtype == torch.bfloat16 else q.dtype
 
 
@@ -491,7 +534,7 @@ def logsumexp_near_(x: Tensor, peak: Tensor) -> Tensor:
     floats (from PLAIN_EXP_FLOOR) and the sum of V of them cannot overflow (up to 88 - ln V). The
     sum then equals the shifted one up to rounding, and x is read twice instead of three times. Elsewhere
     (a GPU, where the check would wait for the device; rows outside the range) logsumexp_."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and x.size(0):
+    if on_fast_cpu(x) and x.dtype == torch.float32 and x.size(0):
         low, high = peak.aminmax()
         if float(low) >= PLAIN_EXP_FLOOR and float(high) <= 88.0 - math.log(x.size(1)):
             return x.exp_().sum(dim=1, keepdim=True).log_()
@@ -508,7 +551,7 @@ def topk_rows(x: Tensor, k: int, chunk: int = 64) -> tuple[Tensor, Tensor]:
     may pick other columns of equal value, as topk's order among ties is unspecified anyway."""
     V = x.size(1)
     n = V // chunk
-    if x.device.type != "cpu" or n < 4 * k:  # GPU topk is fast already; small V gains nothing
+    if not on_fast_cpu(x) or n < 4 * k:  # GPU topk is fast already; small V gains nothing
         return x.topk(k, dim=1)
     maxima = x[:, : n * chunk].unflatten(1, (n, chunk)).amax(dim=2)
     ragged = V > n * chunk  # a last, shorter chunk
@@ -532,7 +575,7 @@ def argmax_rows(x: Tensor, chunk: int = 64) -> Tensor:
     holding its maximum; argmax runs over that chunk only. Rows with a NaN fall back to torch."""
     V = x.size(1)
     n = V // chunk
-    if x.device.type != "cpu" or n < 4 or V % chunk:
+    if not on_fast_cpu(x) or n < 4 or V % chunk:
         return x.argmax(dim=1)
     maxima = x.unflatten(1, (n, chunk)).amax(dim=2)  # (N, n)
     if maxima.isnan().any():
