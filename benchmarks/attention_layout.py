@@ -1,5 +1,5 @@
 """A packed CPU training step's attention sublayers alone, forward and backward: attention from the
-rows straight to the heads (mtrain.attention.HEADS_FROM_ROWS: Packing.to_heads, ops.heads_attention,
+rows straight to the heads (mtrain.cpu.switches.heads_from_rows: Packing.to_heads, ops.heads_attention,
 Packing.from_heads) against attention through the padded grid (Packing.to_grid, the heads' views,
 attention, the rows' gather), taking turns call by call in one process.
 
@@ -31,13 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_step as ts  # noqa: E402  (the same shapes, lengths and batches)
 from packing_ab import step_batches, step_options  # noqa: E402
 
-import mtrain.attention as model_module  # noqa: E402  (its constants choose the paths)
+from mtrain.cpu import switches  # noqa: E402
+from mtrain.cpu.model import accelerate  # noqa: E402
 from mtrain.hardware import cpu_has_native_bf16  # noqa: E402
 from mtrain.model import CrossAttention, SelfAttention, key_mask  # noqa: E402
 from mtrain.cpu.packing import Packing  # noqa: E402
 
-HEADS = model_module.HEADS_FROM_ROWS
-PATHS = {"grid": (), "heads": HEADS}
+PATHS = {"grid": False, "heads": True}
 KINDS = [
     (("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise"), "matmuls"),
     (("aten::_softmax", "aten::_softmax_backward_data", "aten::nan_to_num_", "aten::masked_fill_",
@@ -49,7 +49,7 @@ KINDS = [
 
 
 def sublayers(cfg) -> tuple[SelfAttention, SelfAttention, CrossAttention]:
-    make = lambda kind: kind(cfg.d_model, cfg.n_heads, 0.0).train()  # noqa: E731
+    make = lambda kind: accelerate(kind(cfg.d_model, cfg.n_heads, 0.0)).train()  # noqa: E731
     return make(SelfAttention), make(SelfAttention), make(CrossAttention)
 
 
@@ -97,7 +97,7 @@ def by_kind(run, calls: int) -> dict[str, float]:
 
 def seconds_of(path: str, run) -> float:
     """Wall time of one call on that attention path."""
-    model_module.HEADS_FROM_ROWS = PATHS[path]
+    switches.heads_from_rows = PATHS[path]
     start = time.perf_counter()
     run()
     return time.perf_counter() - start
@@ -127,12 +127,12 @@ def main(argv: list[str] | None = None) -> dict:
                 seconds[path].append(seconds_of(path, run))
     kinds = {}
     for path in PATHS:
-        model_module.HEADS_FROM_ROWS = PATHS[path]
+        switches.heads_from_rows = PATHS[path]
         kinds[path] = {}
         for run in runs:
             for kind, ms in by_kind(run, 2).items():
                 kinds[path][kind] = round(kinds[path].get(kind, 0.0) + ms / len(runs), 3)
-    model_module.HEADS_FROM_ROWS = HEADS
+    switches.heads_from_rows = True
     result = {
         "shape": args.shape, "precision": "bfloat16 autocast" if args.bf16 else "float32",
         "bf16_native": cpu_has_native_bf16(), "threads": torch.get_num_threads(), "batches": len(batches),

@@ -1,21 +1,17 @@
 """Two forms of one decoding path, alternated batch by batch in one process, so that load from
 elsewhere on a shared machine hits both alike, with a bfloat16 decoding copy (--float32: the
 float32 model):
-- `--compare attention` (default): attention over the cache's float32 keys by float32 matmuls
-  (mtrain.attention.cache_attention, what greedy search runs: one query per row) against PyTorch's CPU
-  attention kernel. With --beam 5 both are the kernel (beam search's folded beams keep it), which
-  shows the harness's own spread.
-- `--compare normaliser`: beam search's log sum exp of each row's logits without the row maxima
-  subtracted where that is safe (mtrain.cpu.ops.logsumexp_near_) against always subtracted.
-- `--compare cpu_kernels`: mtrain.cpu.native's C kernels (attention over a bfloat16 cache; beam
+- `--compare cpu_kernels` (default): mtrain.cpu.native's C kernels (attention over a bfloat16 cache; beam
   search's top-k and log-sum-exp over the bfloat16 logits; linear layers on AMX) against decoding
   without them (float32 cache, PyTorch's attention, upcast logits, oneDNN's linear layers).
 - `--compare amx_linear`: the linear layers of decoding steps by mtrain.cpu.native.amx_linear
-  against oneDNN's kernel, everything else the same.
+  against oneDNN's kernel, everything else the same (mtrain.cpu.switches.amx_linear).
+- `--compare softmax`: attention's softmax over short rows padded to 16 columns (mtrain.cpu.ops.softmax_rows)
+  against torch.softmax on the rows as they are.
 
-    python benchmarks/decode_ab.py --threads 2                 # greedy, attention
+    python benchmarks/decode_ab.py --threads 2                 # greedy, the C kernels
     python benchmarks/decode_ab.py --beam 5 --threads 2 --json
-    python benchmarks/decode_ab.py --compare normaliser --beam 5 --threads 2 [--float32]
+    python benchmarks/decode_ab.py --compare amx_linear --threads 2 [--float32]
 
 The model, sentences and batches are benchmarks/decode.py's (random weights at its shape, every
 system made to decode the same number of steps). The order of the two alternates from round to
@@ -43,12 +39,12 @@ if __name__ == "__main__":  # before torch runs anything, as the CLI does
 import torch  # noqa: E402
 
 import mtrain.cache as cache_module  # noqa: E402
-import mtrain.attention as model_module  # noqa: E402  (its constants choose the paths)
+import mtrain.cpu.attention as attention_module  # noqa: E402
 import mtrain.cpu.quantize as quantize_module  # noqa: E402
 import mtrain.search as search_module  # noqa: E402
-from mtrain.cpu import native  # noqa: E402
+from mtrain.cpu import native, switches  # noqa: E402
 from mtrain.hardware import cpu_has_native_bf16, machine_record  # noqa: E402
-from mtrain.cpu.ops import logsumexp_, logsumexp_near_, softmax_rows  # noqa: E402
+from mtrain.cpu.ops import softmax_rows  # noqa: E402
 from mtrain.model import Transformer  # noqa: E402
 from mtrain.cpu.quantize import bfloat16_weights  # noqa: E402
 from mtrain.search import beam_search, greedy_search  # noqa: E402
@@ -65,7 +61,7 @@ class _Off:
     wanted = staticmethod(lambda x: False)
     attend = staticmethod(lambda *args: None)
     topk_logsumexp = staticmethod(lambda *args: None)
-    AMX_LINEAR = False
+    amx_takes = staticmethod(lambda x: False)
 
 
 def _kernels(module):
@@ -74,16 +70,10 @@ def _kernels(module):
 
 # Each comparison: {baseline, candidate}, in that order; each variant sets what it changes.
 COMPARISONS = {
-    "attention": {"kernel": setter(model_module, "CACHE_ATTENTION_BY_MATMULS", ()),
-                  "matmuls": setter(model_module, "CACHE_ATTENTION_BY_MATMULS", (torch.bfloat16,))},
-    "softmax": {"unpadded": setter(model_module, "softmax_rows", lambda x: torch.softmax(x, dim=-1)),
-                "padded": setter(model_module, "softmax_rows", softmax_rows)},
-    "folded": {"kernel": setter(model_module, "CACHE_ATTENTION_QUERIES", 1),
-               "matmuls": setter(model_module, "CACHE_ATTENTION_QUERIES", 64)},
+    "softmax": {"unpadded": setter(attention_module, "softmax_rows", lambda x: torch.softmax(x, dim=-1)),
+                "padded": setter(attention_module, "softmax_rows", softmax_rows)},
     "cpu_kernels": {"torch": _kernels(_Off), "c": _kernels(native)},
-    "amx_linear": {"onednn": setter(native, "AMX_LINEAR", False), "amx": setter(native, "AMX_LINEAR", True)},
-    "normaliser": {"shifted": setter(search_module, "NORMALISER", logsumexp_),
-                   "unshifted": setter(search_module, "NORMALISER", logsumexp_near_)},
+    "amx_linear": {"onednn": setter(switches, "amx_linear", False), "amx": setter(switches, "amx_linear", True)},
 }
 
 
@@ -98,7 +88,7 @@ def search(model, src: torch.Tensor, steps: int, beam: int) -> list[list[int]]:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--compare", choices=sorted(COMPARISONS), default="attention")
+    parser.add_argument("--compare", choices=sorted(COMPARISONS), default="cpu_kernels")
     parser.add_argument("--float32", action="store_true", help="the float32 model instead of its bfloat16 copy")
     parser.add_argument("--beam", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)

@@ -1,7 +1,7 @@
 """The CPU training step on the batch's real positions only (mtrain.cpu.packing) against the same step
 on the padded batch, alternated batch by batch in one process, so that load from elsewhere on a
 shared machine hits both alike. With --attention, both steps packed: attention from the rows
-straight to the heads (mtrain.attention.HEADS_FROM_ROWS) against attention through the padded grid.
+straight to the heads (mtrain.cpu.switches.heads_from_rows) against attention through the padded grid.
 With --softmax, both packed: attention's softmax over rows shorter than 16 padded to 16
 (mtrain.cpu.ops.softmax_rows) against torch's softmax on the rows as they are. With --masks, both
 packed: dropout masks written by mtrain.cpu.native in one pass against masks from numpy's
@@ -42,20 +42,21 @@ from ab import alternate  # noqa: E402
 
 from mtrain.cpu import ops  # noqa: E402
 from mtrain.cpu import native  # noqa: E402
-import mtrain.loss as loss_module  # noqa: E402
-import mtrain.attention as model_module  # noqa: E402  (its constants choose the paths)
+import mtrain.cpu.attention as attention_module  # noqa: E402
+import mtrain.cpu.model as cpu_model  # noqa: E402
+from mtrain.cpu import switches  # noqa: E402
 from mtrain.loss import Objective  # noqa: E402
 from mtrain.memory import reuse_freed_memory  # noqa: E402
 from mtrain.model import Transformer  # noqa: E402
 
-PACKED, PADDED = loss_module.packs, lambda ids: False
-HEADS = model_module.HEADS_FROM_ROWS
+PACKED, PADDED = cpu_model.packs, lambda ids: False
+HEADS = True
 
 
-def choose(packs, heads_from_rows: tuple[torch.dtype, ...]):
-    """A variant: packing on or off, and the dtypes whose attention goes from rows to heads."""
+def choose(packs, heads_from_rows: bool):
+    """A variant: packing on or off, and whether attention goes from the rows to the heads."""
     def apply() -> None:
-        loss_module.packs, model_module.HEADS_FROM_ROWS = packs, heads_from_rows
+        cpu_model.packs, switches.heads_from_rows = packs, heads_from_rows
     return apply
 
 
@@ -69,7 +70,7 @@ def softmax(forward_backward):
     def apply() -> None:
         choose(PACKED, HEADS)()
         ops.softmax_rows, ops.softmax_rows_backward = forward_backward
-        model_module.softmax_rows = forward_backward[0]
+        attention_module.softmax_rows = forward_backward[0]
     return apply
 
 
@@ -105,7 +106,7 @@ def loss_kernels(on: bool):
 # Each comparison: {baseline, candidate}, in that order.
 COMPARISONS = {
     "packing": {"padded": choose(PADDED, HEADS), "packed": choose(PACKED, HEADS)},
-    "attention": {"grid": choose(PACKED, ()), "heads": choose(PACKED, HEADS)},
+    "attention": {"grid": choose(PACKED, False), "heads": choose(PACKED, HEADS)},
     "softmax": {"unpadded": softmax(TORCH_SOFTMAX), "padded": softmax(SOFTMAX)},
     "masks": {"numpy": masks(numpy_lanes), "c": masks(ops.cpu_keep_lanes)},
     "loss": {"chunks": loss_kernels(False), "c": loss_kernels(True)},
@@ -118,7 +119,7 @@ def precision(bf16: bool):
 
 def parity(cfg, batch, bf16: bool, variants: dict) -> dict:
     """One step of each variant from the same weights, dropout off: losses, gradient difference."""
-    model = Transformer(dataclasses.replace(cfg, dropout=0.0)).train()
+    model = cpu_model.accelerate(Transformer(dataclasses.replace(cfg, dropout=0.0))).train()
     objective = Objective(model, ts.LABEL_SMOOTHING)
     out = {}
     for name, apply in variants.items():

@@ -50,6 +50,7 @@ from mtrain.data import make_batches
 from mtrain.hardware import cpu_has_native_bf16, machine_record
 from mtrain.loss import Objective
 from mtrain.memory import reuse_freed_memory
+from mtrain.cpu.model import accelerate
 from mtrain.model import Transformer, sinusoids
 
 try:
@@ -169,7 +170,7 @@ def full_logits_loss(logits: Tensor, tgt_out: Tensor) -> Tensor:
 
 
 def mtrain_step_fn(cfg: ModelConfig, compile_: bool) -> tuple[Callable[[Batch], Tensor], nn.Module]:
-    model = Transformer(cfg).train()
+    model = accelerate(Transformer(cfg)).train()  # the CPU training version `mtrain train` runs (mtrain.cpu.model)
     objective = Objective(model, LABEL_SMOOTHING)  # what `mtrain train` runs: projection at real positions only
     if compile_:
         objective = torch.compile(objective, dynamic=True)

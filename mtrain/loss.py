@@ -22,8 +22,8 @@ import torch
 from torch import Tensor, nn
 
 from mtrain.cpu import native
-from mtrain.cpu.ops import PLAIN_EXP_FLOOR, logsumexp_, on_fast_cpu
-from mtrain.cpu.packing import ROW_MULTIPLE, Packing
+from mtrain.cpu.ops import PLAIN_EXP_FLOOR, logsumexp_
+from mtrain.cpu.packing import ROW_MULTIPLE
 
 
 def _float32_or_wider(logits: Tensor) -> Tensor:
@@ -337,22 +337,11 @@ class _SymmetricKL(torch.autograd.Function):
         return grad_a.to(ctx.dtypes[0]), grad_b.to(ctx.dtypes[1])
 
 
-def packs(ids: Tensor) -> bool:
-    """Whether the training step runs on the batch's real positions only (mtrain.cpu.packing): on a
-    CPU, eager, in float32 and under bfloat16 autocast alike. Finding the positions takes the host
-    a look at the ids, which on a GPU would wait for the device, and the compiler wants the padded
-    shapes, which it sees again from batch to batch. Under bfloat16 autocast on an AMX Xeon, packed
-    and padded steps alternated in one process ran 1.011x (median; small shape) and 1.121x (base
-    shape) as fast (docs/benchmarks.md)."""
-    return on_fast_cpu(ids) and not torch.compiler.is_compiling()
-
-
 class Objective(nn.Module):
     """Teacher-forced label-smoothed loss as one module, so DDP (which hooks forward) and
     torch.compile see the whole computation. The vocabulary projection, the largest matmul, runs
-    only at real target positions; on a CPU the layers before it run on the real positions of
-    both sides too (mtrain.cpu.packing), and a float32 step ran 1.02-1.05x as fast (small shape, 2-core
-    AVX2 EPYC, docs/benchmarks.md)."""
+    only at real target positions (Transformer.target_states; on a CPU the accelerated model runs
+    the layers before it on the real positions too, mtrain.cpu.model)."""
 
     def __init__(self, model: nn.Module, label_smoothing: float, rdrop_alpha: float = 0.0) -> None:
         super().__init__()
@@ -368,17 +357,7 @@ class Objective(nn.Module):
         return projected_label_smoothed_loss(states, self.model.proj.weight, target, self.eps)
 
     def _states(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pad_id = self.model.cfg.pad_id
-        if packs(src):  # tgt_in and tgt_out are real at the same cells (BOS + ids, ids + EOS)
-            src_rows, tgt_rows = Packing.of(src, pad_id), Packing.of(tgt_out, pad_id)
-            memory = self.model.encode(src, src_rows)  # (N_src, d_model)
-            states = self.model.decode_states(tgt_in, memory, src, packing=tgt_rows, memory_packing=src_rows)
-            real = tgt_rows.index[: tgt_rows.real]  # the real rows come first, in row-major order
-            return states[: tgt_rows.real], tgt_out.reshape(-1).index_select(0, real)
-        memory = self.model.encode(src)  # (B, S, d_model)
-        states = self.model.decode_states(tgt_in, memory, src)  # (B, T, d_model)
-        real = tgt_out != pad_id  # (B, T)
-        return states[real], tgt_out[real]  # (N, d_model), N = real target tokens
+        return self.model.target_states(src, tgt_in, tgt_out)  # (N, d_model), N = real target tokens
 
     def _logits(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         states, target = self._states(src, tgt_in, tgt_out)

@@ -7,14 +7,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mtrain.attention import attend, heads_from_rows
+from mtrain.attention import attend
 from mtrain.cache import BeamCache, KVCache, LayerCache
 from mtrain.config import ModelConfig
-from mtrain.cpu.ops import Dropout, dropout_linear, heads_attention, linear, linear_relu_dropout
-from mtrain.cpu.packing import Packing
 from mtrain.errors import MtrainError
 
 
@@ -61,26 +58,16 @@ class SelfAttention(nn.Module):
         self.out = nn.Linear(d_model, d_model)  # W^O
 
     def forward(self, x: Tensor, mask: Tensor | None = None, is_causal: bool = False,
-                cache: LayerCache | None = None, dropout: float = 0.0, packing: Packing | None = None) -> Tensor:
-        """dropout: the residual dropout on the output (paper 5.4), applied in W^O (dropout_linear).
-        packing: x is (N, d_model) rows of that padded batch (mtrain.cpu.packing), and so is the output."""
-        qkv = linear(self.qkv, x, self.training)
-        p = self.attention_dropout if self.training else 0.0
-        if heads_from_rows(qkv, packing, p):
-            y = heads_attention(packing.to_heads(qkv, 3, self.n_heads), None, mask, is_causal)
-            return dropout_linear(self.out, packing.from_heads(y), dropout, self.training)
-        if packing is not None:
-            qkv = packing.to_grid(qkv)
-        B, T, _ = qkv.shape
-        q, k, v = split_heads(qkv, 3, self.n_heads)
+                cache: LayerCache | None = None) -> Tensor:
+        B, T, D = x.shape
+        q, k, v = split_heads(self.qkv(x), 3, self.n_heads)
         y = None
         if cache is not None:
             q, k, v, mask = cache.self_attention(q, k, v, mask)
             y = cache.attention(q, k, v, mask, is_causal)
         if y is None:
-            y = attend(q, k, v, mask, p, is_causal)  # (B', H, T', d_head): a cache may fold rows
-        y = y.transpose(1, 2).reshape(B, T, x.size(-1))  # concat heads
-        return dropout_linear(self.out, y if packing is None else packing.to_rows(y), dropout, self.training)
+            y = attend(q, k, v, mask, self.attention_dropout if self.training else 0.0, is_causal)
+        return self.out(y.transpose(1, 2).reshape(B, T, D))  # concat heads; a cache may fold rows in y
 
 
 class CrossAttention(nn.Module):
@@ -94,36 +81,21 @@ class CrossAttention(nn.Module):
         self.kv = nn.Linear(d_model, 2 * d_model)  # W^K, W^V stacked
         self.out = nn.Linear(d_model, d_model)  # W^O
 
-    def memory_kv(self, memory: Tensor, packing: Packing | None = None) -> tuple[Tensor, Tensor]:
-        kv = linear(self.kv, memory, self.training)
-        k, v = split_heads(kv if packing is None else packing.to_grid(kv), 2, self.n_heads)
-        return k, v  # each (B, H, S, d_head)
+    def memory_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        return split_heads(self.kv(memory), 2, self.n_heads)  # each (B, H, S, d_head)
 
-    def forward(self, x: Tensor, memory: Tensor, mask: Tensor, cache: LayerCache | None = None,
-                dropout: float = 0.0, packing: Packing | None = None,
-                memory_packing: Packing | None = None) -> Tensor:
-        """dropout: the residual dropout on the output (paper 5.4), applied in W^O (dropout_linear).
-        packing, memory_packing: x, memory are rows of those padded batches (mtrain.cpu.packing)."""
-        q = linear(self.q, x, self.training)
-        p = self.attention_dropout if self.training else 0.0
-        if memory_packing is not None and heads_from_rows(q, packing, p):
-            kv = memory_packing.to_heads(linear(self.kv, memory, self.training), 2, self.n_heads)
-            y = heads_attention(packing.to_heads(q, 1, self.n_heads), kv, mask, False)
-            return dropout_linear(self.out, packing.from_heads(y), dropout, self.training)
-        if packing is not None:
-            q = packing.to_grid(q)
-        B, T, D = q.shape
-        q = q.view(B, T, self.n_heads, D // self.n_heads).transpose(1, 2)  # (B, H, T, d_head)
+    def forward(self, x: Tensor, memory: Tensor, mask: Tensor, cache: LayerCache | None = None) -> Tensor:
+        B, T, D = x.shape
+        q = self.q(x).view(B, T, self.n_heads, D // self.n_heads).transpose(1, 2)  # (B, H, T, d_head)
         y = None
         if cache is None:
-            k, v = self.memory_kv(memory, memory_packing)
+            k, v = self.memory_kv(memory)
         else:  # K/V computed on the first cached call, then reused for every step of the sentence
             q, k, v = cache.cross_attention(q, memory, self.memory_kv)
             y = cache.attention(q, k, v, mask, False)
         if y is None:
-            y = attend(q, k, v, mask, p)
-        y = y.transpose(1, 2).reshape(B, T, D)  # concat heads
-        return dropout_linear(self.out, y if packing is None else packing.to_rows(y), dropout, self.training)
+            y = attend(q, k, v, mask, self.attention_dropout if self.training else 0.0)
+        return self.out(y.transpose(1, 2).reshape(B, T, D))  # concat heads
 
 
 class FeedForward(nn.Sequential):
@@ -131,17 +103,7 @@ class FeedForward(nn.Sequential):
     (model.activation_dropout; the paper has none there, tensor2tensor's relu_dropout does)."""
 
     def __init__(self, d_model: int, d_ff: int, dropout: float):
-        super().__init__(nn.Linear(d_model, d_ff), nn.ReLU(), Dropout(dropout), nn.Linear(d_ff, d_model))
-
-    def forward(self, x: Tensor, dropout: float = 0.0) -> Tensor:
-        """dropout: the residual dropout on the output (paper 5.4). In training the first layer,
-        its ReLU and the hidden dropout run as one (linear_relu_dropout) and both dropouts' scales
-        go into W2 (dropout_linear); in evaluation the layers run in order, as a decoding copy fuses the ReLU
-        into the first (mtrain.cpu.quantize)."""
-        if not self.training:
-            return super().forward(x)
-        hidden, scale = linear_relu_dropout(self[0], x, self[2].p, self.training)
-        return dropout_linear(self[3], hidden, dropout, self.training, in_scale=scale)
+        super().__init__(nn.Linear(d_model, d_ff), nn.ReLU(), nn.Dropout(dropout), nn.Linear(d_ff, d_model))
 
 
 def activation_dropout(cfg: ModelConfig) -> float:
@@ -158,12 +120,11 @@ class EncoderLayer(nn.Module):
         self.norm1 = nn.LayerNorm(cfg.d_model)
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff, activation_dropout(cfg))
         self.norm2 = nn.LayerNorm(cfg.d_model)
-        self.dropout = Dropout(cfg.dropout)
+        self.dropout = nn.Dropout(cfg.dropout)  # residual dropout (paper 5.4)
 
-    def forward(self, x: Tensor, src_mask: Tensor, packing: Packing | None = None) -> Tensor:
-        p = self.dropout.p  # each sublayer drops its own output (in its last linear layer)
-        x = self.norm1(x + self.self_attn(x, mask=src_mask, dropout=p, packing=packing))
-        return self.norm2(x + self.ffn(x, dropout=p))
+    def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
+        x = self.norm1(x + self.dropout(self.self_attn(x, mask=src_mask)))
+        return self.norm2(x + self.dropout(self.ffn(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -177,17 +138,13 @@ class DecoderLayer(nn.Module):
         self.norm2 = nn.LayerNorm(cfg.d_model)
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff, activation_dropout(cfg))
         self.norm3 = nn.LayerNorm(cfg.d_model)
-        self.dropout = Dropout(cfg.dropout)
+        self.dropout = nn.Dropout(cfg.dropout)  # residual dropout (paper 5.4)
 
     def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor, self_mask: Tensor | None = None,
-                is_causal: bool = True, cache: LayerCache | None = None,
-                packing: Packing | None = None, memory_packing: Packing | None = None) -> Tensor:
-        p = self.dropout.p  # each sublayer drops its own output (in its last linear layer)
-        x = self.norm1(x + self.self_attn(x, mask=self_mask, is_causal=is_causal, cache=cache, dropout=p,
-                                          packing=packing))
-        x = self.norm2(x + self.cross_attn(x, memory, src_mask, cache=cache, dropout=p, packing=packing,
-                                           memory_packing=memory_packing))
-        return self.norm3(x + self.ffn(x, dropout=p))
+                is_causal: bool = True, cache: LayerCache | None = None) -> Tensor:
+        x = self.norm1(x + self.dropout(self.self_attn(x, mask=self_mask, is_causal=is_causal, cache=cache)))
+        x = self.norm2(x + self.dropout(self.cross_attn(x, memory, src_mask, cache=cache)))
+        return self.norm3(x + self.dropout(self.ffn(x)))
 
 
 class Transformer(nn.Module):
@@ -212,7 +169,7 @@ class Transformer(nn.Module):
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_decoder_layers))
         # No output bias: the paper's softmax is over x W^T only, and it keeps the 63.08M count exact.
         self.proj = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.embed_dropout = Dropout(cfg.dropout)
+        self.embed_dropout = nn.Dropout(cfg.dropout)
         self.register_buffer("pe", sinusoids(cfg.max_len, cfg.d_model), persistent=False)
         self.scale = math.sqrt(cfg.d_model)
         self.reset_parameters()
@@ -241,54 +198,54 @@ class Transformer(nn.Module):
         row (mtrain.cache.BeamCache)."""
         return KVCache(len(self.decoder)) if group == 1 else BeamCache(len(self.decoder), group)
 
-    def embed(self, ids: Tensor, table: nn.Embedding, start: int = 0, packing: Packing | None = None) -> Tensor:
-        """Token embedding * sqrt(d_model) + sinusoid of positions start.., then dropout; with a
-        packing, (N, d_model) for its rows."""
+    def embed(self, ids: Tensor, table: nn.Embedding, start: int = 0) -> Tensor:
+        """Token embedding * sqrt(d_model) + sinusoid of positions start.., then dropout."""
         end = start + ids.shape[1]
         if end > self.pe.shape[0]:  # sinusoids extend to any length; grow the table when needed
             self.pe = sinusoids(max(end, 2 * self.pe.shape[0]), self.cfg.d_model).to(self.pe.device)
-        if packing is None:
-            ids, pe = ids, self.pe[start:end]
-        else:
-            ids, pe = packing.take(ids), self.pe.index_select(0, packing.positions())
         # In the table's dtype: a bfloat16 decoding copy (mtrain.cpu.quantize) keeps float32 sinusoids.
-        return self.embed_dropout((table(ids) * self.scale + pe).to(table.weight.dtype))
+        return self.embed_dropout((table(ids) * self.scale + self.pe[start:end]).to(table.weight.dtype))
 
-    def encode(self, src: Tensor, packing: Packing | None = None) -> Tensor:
-        """(B, S) source ids -> memory (B, S, d_model); with packing (Packing.of(src)), its rows
-        (N, d_model)."""
+    def encode(self, src: Tensor) -> Tensor:
+        """(B, S) source ids -> memory (B, S, d_model)."""
         mask = key_mask(src, self.cfg.pad_id)
-        x = self.embed(src, self.src_embed, packing=packing)
+        x = self.embed(src, self.src_embed)
         for layer in self.encoder:
-            x = layer(x, mask, packing)
+            x = layer(x, mask)
         return x
 
-    def decode_states(self, tgt: Tensor, memory: Tensor, src: Tensor, cache: KVCache | None = None,
-                      packing: Packing | None = None, memory_packing: Packing | None = None) -> Tensor:
+    def decode_states(self, tgt: Tensor, memory: Tensor, src: Tensor, cache: KVCache | None = None) -> Tensor:
         """(B, t) target ids -> final decoder states (B, t, d_model).
 
         With a cache, `tgt` holds only the new tokens; their positions continue from cache.length,
-        and memory/src are read only on the first call (cross-attention K/V and mask are cached).
-        With packings (teacher forcing only), memory is the rows of memory_packing and the states
-        are the rows of packing (Packing.of(tgt)), (N, d_model)."""
+        and memory/src are read only on the first call (cross-attention K/V and mask are cached)."""
         t = tgt.shape[1]
         start = 0 if cache is None else cache.length
-        if cache is None:
-            src_mask = key_mask(src, self.cfg.pad_id)
-        else:
-            if cache.src_mask is None:
-                cache.src_mask = key_mask(src, self.cfg.pad_id)
-            src_mask = cache.src_mask
+        src_mask = self.source_mask(src, cache)
         self_mask, is_causal = causal_mask(start, t, tgt.device)
         if cache is not None:
             cache.begin(tgt)
-        x = self.embed(tgt, self.tgt_embed, start, packing)
+        x = self.embed(tgt, self.tgt_embed, start)
         for i, layer in enumerate(self.decoder):
-            x = layer(x, memory, src_mask, self_mask, is_causal, cache=None if cache is None else cache.layers[i],
-                      packing=packing, memory_packing=memory_packing)
+            x = layer(x, memory, src_mask, self_mask, is_causal, cache=None if cache is None else cache.layers[i])
         if cache is not None:
             cache.length += t
         return x
+
+    def source_mask(self, src: Tensor, cache: KVCache | None) -> Tensor:
+        """key_mask of the source, kept in the cache from its first call on."""
+        if cache is None:
+            return key_mask(src, self.cfg.pad_id)
+        if cache.src_mask is None:
+            cache.src_mask = key_mask(src, self.cfg.pad_id)
+        return cache.src_mask
+
+    def target_states(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> tuple[Tensor, Tensor]:
+        """Teacher forcing: the final decoder states at the real (non-pad) target positions, (N,
+        d_model), and the reference ids there, (N,), row-major."""
+        states = self.decode_states(tgt_in, self.encode(src), src)  # (B, T, d_model)
+        real = tgt_out != self.cfg.pad_id
+        return states[real], tgt_out[real]
 
     def project(self, states: Tensor) -> Tensor:
         """(..., d_model) decoder states -> (..., vocab_size) logits (the tied pre-softmax matrix)."""

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from mtrain.cpu import native
-from mtrain.cpu.ops import NEG_INF, argmax_rows, logsumexp_, logsumexp_near_, topk_rows
+from mtrain.cpu.ops import NEG_INF, argmax_rows, logsumexp_, topk_rows
 from mtrain.cpu.quantize import weights_dtype
 from mtrain.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
@@ -225,9 +225,6 @@ def next_token_topk(model: Decoder, tokens: Tensor, memory: Tensor, src: Tensor,
     return (tops[0], ids[0]) if len(tops) == 1 else (torch.cat(tops), torch.cat(ids))
 
 
-NORMALISER = logsumexp_near_  # each row's log sum exp in topk_of_logits (benchmarks/decode_ab.py compares)
-
-
 def topk_of_logits(logits: Tensor, forced: Tensor, k: int, bans: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
     """next_token_topk on one block of (n, V) float32 or bfloat16 logits, which it overwrites.
 
@@ -247,7 +244,7 @@ def topk_of_logits(logits: Tensor, forced: Tensor, k: int, bans: tuple[Tensor, T
     else:
         logits = logits.float()
         top, ids = topk_rows(logits, width)
-        lse = NORMALISER(logits, peak=top[:, :1].clone())  # over every token; overwrites the logits
+        lse = logsumexp_(logits, peak=top[:, :1].clone())  # over every token; overwrites the logits
     if banned.numel():
         lse = _add_to_normaliser(lse, bans[0], banned)
     top = top.sub_(lse).masked_fill_((ids == PAD_ID) | (ids == BOS_ID), NEG_INF)

@@ -35,6 +35,7 @@ from mtrain.errors import MtrainError, is_out_of_memory
 from mtrain.evaluate import score
 from mtrain.hardware import cuda_index, resolve_amp
 from mtrain.loss import Objective, forward_backward
+from mtrain.cpu.model import accelerate
 from mtrain.model import Transformer
 from mtrain.prefetch import Prefetcher, pin, to_device
 from mtrain.cpu.quantize import check_quantize
@@ -191,7 +192,7 @@ class Trainer:
         random.seed(seed)
         np.random.seed(seed)
         torch.manual_seed(seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
-        self.model = Transformer(self.cfg.model).to(self.device)
+        self.model = accelerate(Transformer(self.cfg.model), self.device).to(self.device)
         if self.dist.rank > 0:
             torch.manual_seed(seed + 1000 * self.dist.rank)  # independent dropout masks per rank
         self.amp_dtype = resolve_amp(self.tcfg.amp, self.device)
@@ -253,7 +254,7 @@ class Trainer:
             split = SubwordSampler(split, self.tokenizer, t.sampling_alpha, t.seed, probe.CEILING)(1)
         with forked_rng(device):
             torch.manual_seed(t.seed)
-            model = Transformer(cfg.model).to(device).train()
+            model = accelerate(Transformer(cfg.model), device).to(device).train()
             optimizer = new_optimizer(model, t, device)
             objective = Objective(model, t.label_smoothing, t.rdrop_alpha)
             amp_dtype = resolve_amp(t.amp, device)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from mtrain.cpu import native, quantize
+from mtrain.cpu import native, quantize, switches
 from mtrain.config import ModelConfig
 from mtrain.model import Transformer
 from mtrain.cpu.quantize import bfloat16_weights
@@ -173,7 +173,7 @@ def test_searches_agree_with_and_without_the_tiles(monkeypatch):
     monkeypatch.setattr(native, "amx_linear", lambda *args: calls.append(1) or tiles(*args))
     with_tiles = (greedy_search(model, src, max_len), beam_search(model, src, 4, 0.6, max_len))
     assert calls  # the decoder's layers went to the tiles
-    monkeypatch.setattr(native, "AMX_LINEAR", False)
+    monkeypatch.setattr(switches, "amx_linear", False)
     without = (greedy_search(model, src, max_len), beam_search(model, src, 4, 0.6, max_len))
     assert sum(a == b for a, b in zip(with_tiles[0], without[0])) >= 11
     assert sum(a[0][0] == b[0][0] for a, b in zip(with_tiles[1], without[1])) >= 11
@@ -197,6 +197,6 @@ def test_stepwise_logits_with_the_tiles_are_onednns(monkeypatch):
             return torch.cat([model.decode(tgt[:, t : t + 1], memory, src, cache).float() for t in range(8)], 1)
 
     tiles = stepwise()
-    monkeypatch.setattr(native, "AMX_LINEAR", False)
+    monkeypatch.setattr(switches, "amx_linear", False)
     onednn = stepwise()
     assert (tiles - onednn).abs().max() <= 0.01 * onednn.abs().max()

@@ -443,11 +443,12 @@ def test_relu_dropout_clears_dropped_and_negative_elements_unscaled(dtype):
 def test_feed_forward_in_training_is_relu_dropout_linear_dropout():
     """The FFN's training path (ReLU and dropout in one, both scales in W2) equals the module
     sequence ReLU, Dropout, Linear, then the residual dropout, with the same two draws."""
+    from mtrain.cpu.model import accelerate
     from mtrain.cpu.ops import keep_scale
     from mtrain.model import FeedForward
 
     torch.manual_seed(0)
-    ffn = FeedForward(8, 16, dropout=0.2).double().train()
+    ffn = accelerate(FeedForward(8, 16, dropout=0.2)).double().train()
     x = torch.randn(4, 3, 8, dtype=torch.float64)
     torch.manual_seed(5)
     y = ffn(x, dropout=0.1)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import mtrain.loss as loss_module
+import mtrain.cpu.model as cpu_model
 from mtrain.config import ModelConfig
 from mtrain.loss import Objective
 from mtrain.model import Transformer
@@ -73,7 +73,7 @@ def tiny_objective(**changes) -> tuple[Objective, Transformer]:
     torch.manual_seed(0)
     cfg = ModelConfig(**{**dict(d_model=32, d_ff=64, n_heads=4, n_encoder_layers=2, n_decoder_layers=2,
                                 dropout=0.0, vocab_size=50, max_len=64), **changes})
-    model = Transformer(cfg).double().train()
+    model = cpu_model.accelerate(Transformer(cfg)).double().train()
     return Objective(model, 0.1), model
 
 
@@ -106,7 +106,7 @@ def test_packed_step_equals_the_padded_step(monkeypatch, multiple):
     tgt_in, tgt_out = target_batch([4, 6, 1, 2], 6, seed=6)
     batch = (src, tgt_in, tgt_out)
     packed = loss_and_gradients(objective, model, batch)
-    monkeypatch.setattr(loss_module, "packs", lambda ids: False)
+    monkeypatch.setattr(cpu_model, "packs", lambda ids: False)
     padded_step = loss_and_gradients(objective, model, batch)
     torch.testing.assert_close(packed[0], padded_step[0], rtol=1e-12, atol=0)
     torch.testing.assert_close(packed[1], padded_step[1], rtol=1e-12, atol=0)
@@ -168,7 +168,7 @@ def test_a_bfloat16_autocast_step_runs_packed_and_equals_the_padded_step_to_bflo
     model.encoder[0].register_forward_pre_hook(lambda module, args: seen.append(tuple(args[0].shape)))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         packed = loss_and_gradients(objective, model, (src, tgt_in, tgt_out))
-        monkeypatch.setattr(loss_module, "packs", lambda ids: False)
+        monkeypatch.setattr(cpu_model, "packs", lambda ids: False)
         padded_step = loss_and_gradients(objective, model, (src, tgt_in, tgt_out))
     assert seen == [(28, 32), (4, 7, 32)]  # 16 rows rounded up to 64 stop at the whole grid
     torch.testing.assert_close(packed[0], padded_step[0], rtol=1e-3, atol=0)

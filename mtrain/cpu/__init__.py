@@ -26,9 +26,22 @@ This module imports no torch: `mkl` must load its stub before torch is imported.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 FAST_ENV = "MTRAIN_CPU_FAST"  # 0 (or off, false, no): every CPU stand-in off, PyTorch's ops only
+
+
+@dataclass
+class Switches:
+    """The choices inside the fast paths, each on by default and measured against its other side
+    by a benchmark that flips it (benchmarks/attention_layout.py, packing_ab.py, decode_ab.py)."""
+
+    heads_from_rows: bool = True  # a packed training step's attention straight from its rows to the heads (cpu.model)
+    amx_linear: bool = True  # a bfloat16 decoding copy's linear layers on AMX tiles, where there are (cpu.quantize)
+
+
+switches = Switches()
 
 
 def switched_off(setting: str | None) -> bool:
@@ -54,7 +67,7 @@ def acceleration() -> dict[str, Any]:
     """Which CPU fast paths this process runs: the record a checkpoint and results.json keep."""
     from mtrain.cpu import mkl, native
 
-    lib = native.library.cache_info().currsize and native.library()  # never builds: only what is loaded
+    lib = fast() and native.built.cache_info().currsize and native.built()  # never builds: only what is loaded
     return {"fast": fast(), "native": bool(lib), "amx": bool(lib) and native.amx_ready(),
             "mkl_intel_path": mkl.loaded()}
 
@@ -64,7 +77,7 @@ def describe(record: dict[str, Any]) -> str:
     from mtrain.cpu import mkl, native
 
     parts = [f"stand-ins {'on' if record['fast'] else f'off ({FAST_ENV}=0)'}",
-             f"C kernels {native.status if record['fast'] else 'off'}",
+             f"C kernels {native.status if record['fast'] else f'off ({FAST_ENV}=0)'}",
              f"AMX linear layers {'on' if record['amx'] else 'off'}",
              f"MKL {mkl.current()}"]
     return "cpu: " + "; ".join(parts)

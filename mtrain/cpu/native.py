@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from mtrain.cpu import FAST_ENV, build, fast, switched_off
+from mtrain.cpu import build, fast, switched_off
 from mtrain.cpu.build import compiler
 
 ENV = "MTRAIN_CPU_KERNELS"  # 0 (or off, false, no): decode with PyTorch's kernels only
@@ -68,7 +68,6 @@ MAX_TOP = 32  # the most values topk_logsumexp keeps per row
 # up or won: at 1575 rows the tiles took 1.13x less time for 256 -> 768 but 1.07x more for 1024 ->
 # 256; at 4096 rows as much or up to 1.4x more (benchmarks/amx_linear.py, docs/benchmarks.md).
 AMX_MAX_ROWS = 1024
-AMX_LINEAR = True  # False: bfloat16 decoding's linear layers stay with oneDNN (benchmarks/decode_ab.py)
 
 status = "not tried yet"
 
@@ -123,17 +122,24 @@ def compile_into(path: Path, cc: str, runtime: Path) -> str | None:
     return failed and failed.replace("could not build it", f"could not build {SOURCE.name}")
 
 
-@functools.cache
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel (built first where needed), or None; the outcome goes to `status`."""
+    """The loaded kernel (built first where needed), or None, also while MTRAIN_CPU_FAST=0; the
+    outcome goes to `status`."""
+    return built() if fast() else None
+
+
+@functools.cache
+def built() -> ctypes.CDLL | None:
+    """The kernel, loaded once per process (built first where needed), or None."""
     global status
     lib, status = _load()
     return lib
 
 
+library.cache_clear = built.cache_clear  # type: ignore[attr-defined]  (tests: a new process, as it were)
+
+
 def _load() -> tuple[ctypes.CDLL | None, str]:
-    if not fast():
-        return None, f"off: {FAST_ENV}={os.environ[FAST_ENV]}"
     if switched_off(os.environ.get(ENV)):
         return None, f"off: {ENV}={os.environ[ENV]}"
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
@@ -297,7 +303,7 @@ def cross_entropy_gradient_(logits: Tensor, lse: Tensor, target: Tensor, g: floa
 def amx_ready() -> bool:
     """Whether amx_linear runs here: the library loads, was built for AMX-BF16, and the kernel lets
     this process use the tile registers."""
-    lib = library()
+    lib = built()
     return lib is not None and lib.mtrain_amx_ready() == 1
 
 
@@ -318,7 +324,7 @@ def amx_takes(x: Tensor) -> bool:
     if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() < 1 or x.stride(-1) != 1:
         return False
     K = x.size(-1)
-    return K > 0 and K % 32 == 0 and 0 < x.numel() // K <= AMX_MAX_ROWS and amx_ready()
+    return K > 0 and K % 32 == 0 and 0 < x.numel() // K <= AMX_MAX_ROWS and fast() and amx_ready()
 
 
 def amx_linear(x: Tensor, packed: Tensor, bias: Tensor | None, relu: bool, out_features: int) -> Tensor | None:

@@ -528,19 +528,6 @@ def logsumexp_(x: Tensor, peak: Tensor) -> Tensor:
 PLAIN_EXP_FLOOR = -60.0
 
 
-def logsumexp_near_(x: Tensor, peak: Tensor) -> Tensor:
-    """logsumexp_, without subtracting the maxima where that is safe: on a CPU, when every row's
-    maximum lies where exp of it and of the terms within float32's precision of it are normal
-    floats (from PLAIN_EXP_FLOOR) and the sum of V of them cannot overflow (up to 88 - ln V). The
-    sum then equals the shifted one up to rounding, and x is read twice instead of three times. Elsewhere
-    (a GPU, where the check would wait for the device; rows outside the range) logsumexp_."""
-    if on_fast_cpu(x) and x.dtype == torch.float32 and x.size(0):
-        low, high = peak.aminmax()
-        if float(low) >= PLAIN_EXP_FLOOR and float(high) <= 88.0 - math.log(x.size(1)):
-            return x.exp_().sum(dim=1, keepdim=True).log_()
-    return logsumexp_(x, peak)
-
-
 def topk_rows(x: Tensor, k: int, chunk: int = 64) -> tuple[Tensor, Tensor]:
     """x.topk(k, dim=1) of (N, V) x, in two short passes, ~2.5x faster on a CPU for a large V.
 

@@ -21,7 +21,7 @@ import warnings
 import torch
 from torch import nn
 
-from mtrain.cpu import native
+from mtrain.cpu import native, switches
 from mtrain.errors import MtrainError
 from mtrain.hardware import cpu_has_vnni
 from mtrain.cpu.ops import on_fast_cpu, onednn_linear_runs, same_as_linear
@@ -147,7 +147,7 @@ class OneDNNLinear(nn.Linear):
         if torch.is_grad_enabled():
             y = super().forward(x)
             return torch.relu(y) if self.activation == "relu" else y
-        if native.AMX_LINEAR and native.amx_takes(x):  # it declines weights not of x's layer
+        if switches.amx_linear and native.amx_takes(x):  # it declines weights not of x's layer
             y = native.amx_linear(x, self.packed_weight("amx"), self.bias, self.activation == "relu",
                                        self.out_features)
             if y is not None:
