@@ -3,19 +3,20 @@
 The paper's model (mtrain.model), its decoding cache, search and loss run on PyTorch's ops on any
 device. On a CPU, where several of those ops cost more than they should at translation's small
 shapes, this package supplies stand-ins that give the same values (to float rounding, and the same
-dropout masks in distribution):
+dropout masks in distribution; tests/test_acceleration.py holds the two sides to that):
 
 | module | what it speeds up | off with |
 |---|---|---|
-| `ops` | training: dropout masks by bits, dropout folded into linear layers, oneDNN linear layers with the bias and ReLU fused, attention by batched matmuls, short-row softmax; search: chunked top-k and argmax | `MTRAIN_CPU_FAST=0` |
-| `packing` | training on the rows of a batch without its padding | `MTRAIN_CPU_FAST=0` |
+| `model` | the training step's layers, subclasses of mtrain.model's that `accelerate(model)` swaps in: dropout folded into linear layers, the step on the rows of a batch without its padding (`packing`) | `MTRAIN_CPU_FAST=0` |
+| `attention` | attention's faster ways on a CPU, behind mtrain.attention.attend: bfloat16 matmuls around a float32 softmax, batched matmuls for short training sequences | `MTRAIN_CPU_FAST=0` |
+| `ops` | the pieces those use: dropout masks by bits, oneDNN linear layers with the bias and ReLU fused, short-row softmax; search's chunked top-k and argmax | `MTRAIN_CPU_FAST=0` |
 | `native` (+ `native.c`) | C kernels: dropout masks, the bfloat16 loss's sums and gradient, attention over a bfloat16 decoding cache, top-k with log-sum-exp, AMX linear layers | `MTRAIN_CPU_KERNELS=0` (or `MTRAIN_CPU_FAST=0`) |
 | `quantize` | decoding copies: int8 linear layers (`decode.quantize=int8`), bfloat16 weights through oneDNN (`decode.amp=bf16`) | the decode setting |
 | `workers` | decoding in several processes (`decode.workers`) | the decode setting |
 | `mkl` | MKL's fast kernels on AMD CPUs | opt-in: `MTRAIN_MKL_INTEL_PATH=1` |
 | `build` | building the C code once per machine and compiler, under a lock | |
 
-`acceleration()` says which of them are on; `mtrain train` logs it in one line, records it in every
+`switches` holds the choices inside them that benchmarks flip. `acceleration()` says which are on; `mtrain train` logs it in one line, records it in every
 checkpoint and in results.json, and a resume where it differs says so (the sums then round
 differently, so the run cannot match an uninterrupted one bit for bit). `prepare()` builds the C
 kernels before work starts, so that no training step or decoding batch waits for a compiler.
