@@ -189,7 +189,7 @@ class KVCache:
         longest output makes the self-attention buffers that long at once instead of doubling
         them, each doubling a copy of every layer's keys and values into fresh memory (in bfloat16
         beam 5 at the decoding benchmark's shapes, 5.5 ms for one layer's 256 x 4 x 70 x 64 keys
-        and values; reserving decoded bfloat16 beam 5 1.03-1.10x as fast, docs/benchmarks.md)."""
+        and values; reserving decoded bfloat16 beam 5 1.03-1.10x as fast, benchmarks/results/intel-xeon-amx/NOTES.md)."""
         self.reserved = length
         for layer in self.layers:
             layer.reserved = length * self.group

@@ -32,7 +32,7 @@ class ModelConfig:
     attention_dropout: float = 0.0  # on attention weights (the paper uses none)
     # on the FFN's hidden ReLU output. Negative = the same rate as dropout (tensor2tensor's relu_dropout),
     # the setting every Multi30k recipe here was tuned and scored with; 0 = none, as in the paper and
-    # fairseq's default (at the tiny-anchor shape it learned the same within noise: docs/recipe.md).
+    # fairseq's default (at the tiny-anchor shape it learned the same within noise: docs/results/NOTES.md).
     activation_dropout: float = -1.0
     vocab_size: int = 8000  # target vocabulary (the joint one when share_embeddings); set by tokenize
     src_vocab_size: int = 0  # 0 = same as vocab_size (joint vocabulary)
@@ -51,7 +51,7 @@ class TokenizerConfig:
     character_coverage: float = 1.0  # 1.0 keeps every character of small European corpora
     # Sentences SentencePiece trains on: a seeded uniform sample of the cleaned training pairs (both
     # sides count with a joint vocabulary), 0 = all of them. tokenize's peak memory grows with this,
-    # not with the corpus: ~1.6 GB at 500k sentences of ~140 characters, ~3 GB at 1M (docs/benchmarks.md).
+    # not with the corpus: ~1.6 GB at 500k sentences of ~140 characters, ~3 GB at 1M (docs/benchmarks.md, "Corpus scale").
     input_sentence_size: int = 500_000
     seed: int = 1
 
@@ -150,16 +150,16 @@ class DecodeConfig:
     no_repeat_ngram: int = 0  # > 0: never produce an n-gram of this size twice in one output
     # off | bf16 | auto (as train.amp): decode with the weights cast to bfloat16 where the hardware
     # multiplies it natively (mtrain.cpu.quantize.bfloat16_weights). Off by default: outputs differ from
-    # float32's on a share of lines (docs/benchmarks.md). Validation inside training decodes in the
+    # float32's on a share of lines (benchmarks/results/intel-xeon-amx/NOTES.md). Validation inside training decodes in the
     # training's precision either way.
     amp: str = "off"
     # off | int8: decode on a CPU with every linear layer in int8 (weights per output row, activations
     # quantized on the fly; mtrain.cpu.quantize). 1.7-3x float32's speed at decoding's batch sizes; changes
-    # a share of lines (docs/benchmarks.md), so off by default. Not with amp, not on a GPU.
+    # a share of lines (benchmarks/results/amd-epyc-zen4/NOTES.md), so off by default. Not with amp, not on a GPU.
     quantize: str = "off"
     # Processes that decode batches side by side on a CPU, the threads shared among them
     # (mtrain.cpu.workers), with the same translations: on 2 cores, bfloat16 decoding of 12000 lines
-    # ran 1.06-1.12x (greedy) and 1.15-1.17x (beam 5) as fast with 2 (docs/benchmarks.md). Each
+    # ran 1.06-1.12x (greedy) and 1.15-1.17x (beam 5) as fast with 2 (benchmarks/results/intel-xeon-amx/NOTES.md). Each
     # holds a copy of the model (the calling process keeps only the tokenizer and config) and
     # takes about a second to start; 1 decodes in the calling process.
     workers: int = 1

@@ -85,7 +85,7 @@ class Ensemble:
         probabilities (..., V). Searches call it block by block of rows (mtrain.search.step_logits), as
         for one model: each member's logits and log-probs then stay a few MB, where for all rows at
         once (beam 5 on a 4096-token batch: 1365 x 8000) every pass went to memory, and one float32
-        matmul that tall ran 1.6x slower than the same rows in blocks (AVX2 EPYC, docs/benchmarks.md)."""
+        matmul that tall ran 1.6x slower than the same rows in blocks (AVX2 EPYC, benchmarks/results/NOTES.md)."""
         mixture = None
         for model, part in zip(self.models, states.parts):
             log_probs = torch.log_softmax(model.project(part).float(), dim=-1)

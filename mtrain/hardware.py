@@ -122,7 +122,7 @@ def cuda_has_native_bf16(device: torch.device) -> bool:
 
 def resolve_amp(amp: str, device: torch.device, key: str = "train.amp") -> torch.dtype | None:
     """train.amp -> autocast dtype (None = float32). auto = bfloat16 where the hardware multiplies it
-    natively: CPUs with AMX or AVX512-BF16 (1.5-2x the float32 tokens/s, docs/benchmarks.md) and
+    natively: CPUs with AMX or AVX512-BF16 (1.5-2x the float32 tokens/s, benchmarks/results/NOTES.md) and
     GPUs of compute capability 8.0 on; float16 on older GPUs (with a GradScaler); float32 on other CPUs, where
     bf16 would be emulated (~30x slower). An explicit bf16 on such a CPU also falls back to float32
     (see amp_note). `key` names the setting in errors (decode.amp takes the same values)."""

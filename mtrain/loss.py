@@ -127,7 +127,7 @@ class _LogitsBuffers:
     so each step's came from a fresh mapping whose every page the kernel had to fault in and zero:
     the projection took 80 ms into a new (4096, 8000) float32 tensor and 48 ms into a used one.
     Reused, a step ran 1.02-1.03x as fast in float32 and 1.02-1.03x in bfloat16 (small shape,
-    2-core AMX host, docs/benchmarks.md). A forward takes the buffer and its backward gives it back
+    2-core AMX host, benchmarks/results/intel-xeon-amx/NOTES.md). A forward takes the buffer and its backward gives it back
     once nothing reads the logits any more; a forward without a backward (no_grad, or two forwards
     before a backward) keeps its buffer to itself, and the next forward makes a new one."""
 
@@ -208,10 +208,10 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
     them into exp(x - c) (c = 0, or the row maximum) and keeps each row's 1 / sum, so the backward's
     softmax is one multiply, with no second exp and subtraction: at 3900 x 256 x 8000 the loss's
     forward and backward took 466 against 495 ms (medians of 20, 2-core AVX2 EPYC); in a profiled
-    float32 step its ops took 45 against 58 ms (docs/benchmarks.md). Narrower logits (bfloat16) stay as they are, an upcast copy of each chunk
+    float32 step its ops took 45 against 58 ms (benchmarks/results/amd-epyc-avx2/NOTES.md). Narrower logits (bfloat16) stay as they are, an upcast copy of each chunk
     is reduced, and the backward recomputes softmax(x) = exp(x - lse) chunk by chunk; on a CPU
     mtrain.cpu.native, where it is built, reads each bfloat16 row once for its sums and writes its
-    gradient over it in one pass (a bfloat16 step 1.05-1.07x as fast, docs/benchmarks.md). Values
+    gradient over it in one pass (a bfloat16 step 1.05-1.07x as fast, benchmarks/results/intel-xeon-amx/NOTES.md). Values
     equal label_smoothed_loss's; the gradient differs by rounding only."""
 
     @staticmethod

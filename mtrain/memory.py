@@ -6,8 +6,8 @@ from; on other C libraries (macOS, musl) both are no-ops.
 A training step frees hundreds of megabytes of activations, and the next step's tensors, of other
 shapes, do not fit the holes exactly. glibc's malloc keeps the freed pages mapped, so a trainer's
 resident memory grows with every new batch shape long after its live data stops growing: a
-3+3-layer model's trainer went from 4.9 GB at update 5400 to 6.6 GB at update 19300 (docs/
-benchmarks.md, "Memory over a long run"). `malloc_trim(0)` returns every free page of every arena
+3+3-layer model's trainer went from 4.9 GB at update 5400 to 6.6 GB at update 19300 (benchmarks/
+results/intel-xeon-amx/NOTES.md, "Memory over a long run"). `malloc_trim(0)` returns every free page of every arena
 to the kernel; called once per validation or checkpoint, it halved the resident memory of a
 training loop at no measurable cost in speed."""
 
@@ -53,7 +53,7 @@ def reuse_freed_memory() -> bool:
     19k faults in a bfloat16 step at the small benchmark shape, 0-4k with these settings. 400
     updates of `mtrain train` with the en->de config took 123.3 and 121.3 s against 130.8 and 122.9
     with glibc's defaults, 1200 updates 381.7 s against 406.8, the resident set peaking within 0.2 %
-    (2-core AMX host, docs/benchmarks.md). release_free_memory still gives free pages back at each
+    (2-core AMX host, benchmarks/results/intel-xeon-amx/NOTES.md). release_free_memory still gives free pages back at each
     validation. Decoding showed no such gain, so `mtrain train` alone sets it; a program that
     imports mtrain chooses for its own process."""
     mallopt = _mallopt()

@@ -47,7 +47,7 @@ def real_logits(model: Decoder, src: torch.Tensor, tgt_in: torch.Tensor, target:
     positions, a few MB at a time (search.BLOCK_BYTES), as searches do; any other, all of decode's
     logits. One tall projection of a whole batch (4096 x 8000 float32 logits) wrote 131 MB that the
     log-softmax then read back from memory, and MKL ran that tall matmul at half the speed of the same
-    rows in blocks (AVX2 EPYC, docs/benchmarks.md)."""
+    rows in blocks (AVX2 EPYC, benchmarks/results/NOTES.md)."""
     if not search.projects_in_blocks(model):
         yield model.decode(tgt_in, model.encode(src), src)[real].float(), target
         return

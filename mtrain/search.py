@@ -143,7 +143,7 @@ class Float32Blocks:
     """One float32 buffer that a search upcasts every block of a bfloat16 model's logits into, step
     after step. A fresh 5-10 MB float32 block per step is memory whose pages fault in again (the
     copy took 1.1 ms in place of 0.14 ms for 154 x 8000); reusing one buffer decoded bfloat16
-    greedy 1.08-1.10x and beam 5 1.03-1.05x as fast (2-core AMX host, docs/benchmarks.md). Float32
+    greedy 1.08-1.10x and beam 5 1.03-1.05x as fast (2-core AMX host, benchmarks/results/intel-xeon-amx/NOTES.md). Float32
     blocks pass through as they are."""
 
     def __init__(self) -> None:
@@ -395,7 +395,7 @@ def row_sizes(model: Any, device: torch.device):
     There they run through oneDNN, which compiles a kernel for each new shape (~1 ms) and keeps
     1024. Dropping each finished row at once gave the matmuls a new row count at nearly every step:
     translating 6000 lines with bfloat16 weights made ~1000 new kernels in every pass, and each
-    pass took 1.4x as long as with kept_rows (2-core AMX host, docs/benchmarks.md). Float32 on a
+    pass took 1.4x as long as with kept_rows (2-core AMX host, benchmarks/results/intel-xeon-amx/NOTES.md). Float32 on a
     CPU has no such cache, and there the kept rows cost up to 1/8 more work: a float32 greedy run
     of the same lines took 8% longer with them."""
     bfloat16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16

@@ -45,7 +45,7 @@ def bfloat16_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dro
     bfloat16 by their matmul, the weights before they multiply v. Forward and backward at a
     training step's shapes (256 x 4 heads x 16 positions) took 4.8-5.2 ms against 7.1-10.2 for
     upcasting to PyTorch's float32 kernel and back, and a bfloat16 training step ran 1.11x as fast
-    (2-core AMX host, docs/benchmarks.md). The masks are SDPA's: True = may attend; is_causal aligns
+    (2-core AMX host, benchmarks/results/intel-xeon-amx/NOTES.md). The masks are SDPA's: True = may attend; is_causal aligns
     the triangle top-left."""
     scores = (q @ k.transpose(-1, -2)).float().mul_(q.size(-1) ** -0.5)
     if is_causal:

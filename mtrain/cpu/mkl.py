@@ -7,7 +7,7 @@ use. A one-line shared library whose `mkl_serv_intel_cpu_true` answers 1, loaded
 symbol scope before torch, is found first when libtorch binds that symbol (PyTorch's maintainers give
 the same stub, as LD_PRELOAD, for AMD CPUs). On a 2-core AVX2 EPYC (Zen 3) the training step's
 float32 matmuls then ran at 123-151 GFLOP/s against 112-118, a float32 training step 1.16x as fast
-and float32 beam search 1.25x (docs/benchmarks.md, "MKL's kernels on AMD CPUs"). MKL still picks
+and float32 beam search 1.25x (benchmarks/results/amd-epyc-avx2/NOTES.md, "MKL's kernels on AMD CPUs"). MKL still picks
 the instruction set from what the CPU reports, as it does on an Intel CPU.
 
 It is opt-in (MTRAIN_MKL_INTEL_PATH=1): other kernels sum in another order, so a run's numbers then

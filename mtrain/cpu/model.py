@@ -198,7 +198,7 @@ def heads_from_rows(x: Tensor, packing: Packing | None, dropout_p: float) -> boo
     ops.heads_attention, Packing.from_heads): where batched_attention runs, in float64, and in
     bfloat16 (autocast), where it does bfloat16_attention's arithmetic without the grid. At the
     small shape the copies into and out of the grid cost about twice as long as the one gather
-    each way (docs/benchmarks.md). switches.heads_from_rows=False keeps the grid."""
+    each way (benchmarks/results/amd-epyc-avx2/NOTES.md). switches.heads_from_rows=False keeps the grid."""
     return (packing is not None and switches.heads_from_rows
             and batched_on_cpu(x, x, dropout_p, HEADS_DTYPES))
 
@@ -209,7 +209,7 @@ def packs(ids: Tensor) -> bool:
     a look at the ids, which on a GPU would wait for the device, and the compiler wants the padded
     shapes, which it sees again from batch to batch. Under bfloat16 autocast on an AMX Xeon, packed
     and padded steps alternated in one process ran 1.011x (median; small shape) and 1.121x (base
-    shape) as fast; a float32 step 1.02-1.05x (small shape, 2-core AVX2 EPYC; docs/benchmarks.md)."""
+    shape) as fast; a float32 step 1.02-1.05x (small shape, 2-core AVX2 EPYC; benchmarks/results/amd-epyc-avx2/NOTES.md)."""
     return on_fast_cpu(ids) and not torch.compiler.is_compiling()
 
 

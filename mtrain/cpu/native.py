@@ -40,7 +40,7 @@ the CPU's feature flags and the OpenMP runtime) and OpenMP, linked by path to th
 on (openmp_runtime: sentencepiece and CTranslate2 bundle libgomps of their own), and never with
 -ffast-math (which would set flush-to-zero for the whole process). Without a C compiler, where the
 build fails, or with MTRAIN_CPU_KERNELS=0, nothing is built and decoding and training run on
-PyTorch's ops; `status` says which. docs/benchmarks.md has the measurements."""
+PyTorch's ops; `status` says which. benchmarks/results/intel-xeon-amx/NOTES.md has the measurements."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ MAX_KEYS = 4096
 MAX_TOP = 32  # the most values topk_logsumexp keeps per row
 # The most rows amx_linear multiplies. Above, oneDNN's kernel, which blocks for large problems, kept
 # up or won: at 1575 rows the tiles took 1.13x less time for 256 -> 768 but 1.07x more for 1024 ->
-# 256; at 4096 rows as much or up to 1.4x more (benchmarks/amx_linear.py, docs/benchmarks.md).
+# 256; at 4096 rows as much or up to 1.4x more (benchmarks/amx_linear.py, benchmarks/results/intel-xeon-amx/NOTES.md).
 AMX_MAX_ROWS = 1024
 
 status = "not tried yet"

@@ -111,7 +111,7 @@ def cpu_keep_lanes(seed: int, n: int, threshold: int, width: int) -> Tensor:
     Masks were the largest share of a bfloat16 training step after the matmuls: numpy's PCG64DXSM
     words, then two integer passes over them and one over the lanes, took 2.70 ms for 4M bfloat16
     elements (2-core AMX host, idle) where the C kernel takes 0.52, and the step ran 1.07-1.08x as
-    fast (float32 1.04x). PyTorch's ops take 5.2 ms (docs/benchmarks.md, "Dropout masks in C")."""
+    fast (float32 1.04x). PyTorch's ops take 5.2 ms (benchmarks/results/intel-xeon-amx/NOTES.md, "Dropout masks in C")."""
     with torch.profiler.record_function("mtrain::keep_mask"):
         keep = native.keep_mask(seed, n, threshold, 4 if width == 4 else 2)
         if keep is not None:
@@ -214,7 +214,7 @@ def dropout_linear(layer: nn.Linear, x: Tensor, p: float, training: bool, in_sca
     the dropped outputs by their bits (keep_bits): the same values up to rounding, without the
     two passes over the activations that scaling them took forward and backward. A bfloat16
     training step ran 1.08-1.10x as fast with this and relu_dropout (2-core AMX host,
-    docs/benchmarks.md)."""
+    benchmarks/results/intel-xeon-amx/NOTES.md)."""
     if in_scale == 1.0 and (p == 0.0 or not training):  # evaluation: the layer alone
         return layer(x)
     if not _cpu_masks(x, p, training):
@@ -343,7 +343,7 @@ def batched_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_c
     at a training step's (250-500 sentences x 4 heads x 8-16 positions) it took 23-36 ms forward
     and backward per layer where these batched matmuls, on copies of q, k and v laid out for them,
     took 16-22, and a training step ran 1.05x as fast (float32, 2-core AVX2 EPYC,
-    docs/benchmarks.md). bmm reads no other layout in place: given one head's strided slice it
+    benchmarks/results/amd-epyc-avx2/NOTES.md). bmm reads no other layout in place: given one head's strided slice it
     loops over the matrices one by one. The resident set after six steps grew by 60-80 MB (of
     1.25-1.28 GB): the heap's free fragments, not live data (the tensors saved for the backward
     grew by 9 MB). With a buffer of its own for each copy and each gradient it had grown by 140."""
@@ -422,7 +422,7 @@ def _attention_forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: tuple[Tensor,
     scale = D ** -0.5
     scores = torch.bmm(q, k.transpose(1, 2)).to(_softmax_dtype(q)).mul_(scale)
     # Masks are added as 0 / -inf: a broadcast add runs vectorised, where PyTorch's CPU masked_fill_
-    # took 6-12x as long on a step's scores (docs/benchmarks.md); the softmax is the same.
+    # took 6-12x as long on a step's scores (benchmarks/results/amd-epyc-avx2/NOTES.md); the softmax is the same.
     if is_causal:
         scores.add_(torch.full((T, S), NEG_INF, dtype=scores.dtype, device=q.device).triu_(1))
     if mask is not None:
@@ -448,7 +448,7 @@ def _attention_backward(ctx, grad: Tensor, grad_q: Tensor, grad_k: Tensor, grad_
 
 # PyTorch's CPU softmax over a last dimension shorter than 16 takes an element-by-element path: over
 # 12 columns (1200 x 12 rows) forward took 1.29 ms and backward 0.51 ms, over the same rows padded
-# with -inf to 16 columns 0.15 and 0.08 (2-core AMX host, docs/benchmarks.md). Attention's rows are
+# with -inf to 16 columns 0.15 and 0.08 (2-core AMX host, benchmarks/results/intel-xeon-amx/NOTES.md). Attention's rows are
 # that short wherever sentences are: Multi30k's length buckets, a search's first steps.
 SOFTMAX_WIDTH = 16
 

@@ -21,7 +21,7 @@ from torch import Tensor
 # held memory that the heap never gave back. Multiples of 64 give at most max_tokens / 64 shapes for
 # at most 63 extra rows; with the projection's rows rounded, a bf16 training loop made 18 new kernels
 # in its second epoch instead of 99, stayed at 1.4 GB instead of growing past 2.9 GB, and ran 7 %
-# faster (docs/benchmarks.md, "Memory over a long run").
+# faster (benchmarks/results/intel-xeon-amx/NOTES.md, "Memory over a long run").
 ROW_MULTIPLE = 64
 
 

@@ -8,8 +8,8 @@ VNNI, 7 elsewhere: see _full_range), the product is accumulated in int32 by PyTo
 kernels and scaled back to float32.
 Embeddings, layer norms, attention's softmax and the search stay in float32. At decoding's small
 batches the linear layers are most of the time, and int8 multiplies them 1.7-3x faster than float32
-on the CPUs measured (docs/benchmarks.md). Translations differ from float32's on a share of lines;
-the share and the BLEU change on real models are in docs/benchmarks.md.
+on the CPUs measured (benchmarks/results/amd-epyc-zen4/NOTES.md). Translations differ from float32's on a share of lines;
+the share and the BLEU change on real models are in benchmarks/results/intel-xeon-amx/NOTES.md.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class OneDNNLinear(nn.Linear):
     The weight goes in oneDNN's blocked layout once (packed_weight), as torch.compile's frozen
     graphs do, instead of being reordered into it at every call: at 256 rows a 256 x 768 layer then
     took 95 us instead of 142, the 256 x 8000 projection 563 instead of 764, with the same result,
-    and bfloat16 greedy decoding ran 1.06x, beam 5 1.03x as fast (docs/benchmarks.md). The packed
+    and bfloat16 greedy decoding ran 1.06x, beam 5 1.03x as fast (benchmarks/results/intel-xeon-amx/NOTES.md). The packed
     copy costs the weight's memory once more (about 120 MB for the paper's base model in bfloat16).
 
     Where the CPU has AMX and mtrain.cpu.native loads, up to native.AMX_MAX_ROWS rows (every

@@ -7,7 +7,7 @@ search's bookkeeping) that PyTorch runs on one thread, or that pay more in handi
 thread than they gain from it. On a 2-core Intel Xeon with AMX, `mtrain translate` of 12000 lines
 with bfloat16 weights ran 1.06-1.12x (greedy) and 1.15-1.17x (beam 5) as fast with two 1-thread
 workers as in one 2-thread process, start-up included (about 1.3 s for the workers); in float32,
-whose matmuls gain more from a second thread, 0.94-0.97x and 1.10x (docs/benchmarks.md).
+whose matmuls gain more from a second thread, 0.94-0.97x and 1.10x (benchmarks/results/intel-xeon-amx/NOTES.md).
 
 What is guaranteed: each batch is decoded exactly as one process with the workers' share of the
 threads decodes it (threads_per_worker), so the output equals, byte for byte, that of one process
