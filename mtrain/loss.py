@@ -119,45 +119,6 @@ def _zero_padded_rows(x: Tensor, rows: int) -> Tensor:
     return torch.cat([x, x.new_zeros(rows - x.size(0), x.size(1))])
 
 
-class _LogitsBuffers:
-    """One CPU buffer per dtype that the projection writes its logits into, step after step.
-
-    The logits are a CPU training step's largest tensor (65 MB in bfloat16 at 4k tokens and an 8k
-    vocabulary, 524 MB in float32 at 32k), above the size that glibc's malloc serves from its heap,
-    so each step's came from a fresh mapping whose every page the kernel had to fault in and zero:
-    the projection took 80 ms into a new (4096, 8000) float32 tensor and 48 ms into a used one.
-    Reused, a step ran 1.02-1.03x as fast in float32 and 1.02-1.03x in bfloat16 (small shape,
-    2-core AMX host, benchmarks/results/intel-xeon-amx/NOTES.md). A forward takes the buffer and its backward gives it back
-    once nothing reads the logits any more; a forward without a backward (no_grad, or two forwards
-    before a backward) keeps its buffer to itself, and the next forward makes a new one."""
-
-    def __init__(self) -> None:
-        self.free: dict[torch.dtype, Tensor] = {}
-
-    def take(self, rows: int, vocab: int, dtype: torch.dtype) -> Tensor:
-        """A flat buffer of at least rows * vocab elements, no longer in the pool."""
-        buffer = self.free.pop(dtype, None)
-        if buffer is None or buffer.numel() < rows * vocab:
-            buffer = torch.empty(rows * vocab, dtype=dtype)
-        return buffer
-
-    def give_back(self, buffer: Tensor) -> None:
-        self.free[buffer.dtype] = buffer
-
-
-_LOGITS = _LogitsBuffers()
-
-
-def _project(h: Tensor, w: Tensor) -> tuple[Tensor, Tensor | None]:
-    """h @ w.T, and the pooled buffer it lives in (None off a CPU, or while compiling, where the
-    allocator or the compiler manages memory)."""
-    if h.device.type != "cpu" or torch.compiler.is_compiling():
-        return h @ w.t(), None
-    buffer = _LOGITS.take(h.size(0), w.size(0), h.dtype)
-    logits = buffer[: h.size(0) * w.size(0)].view(h.size(0), w.size(0))
-    return torch.mm(h, w.t(), out=logits), buffer
-
-
 def _project_rows(h: Tensor, w: Tensor, rows: Tensor) -> Tensor:
     """The logits of these rows of h, in h's dtype."""
     with torch.autocast(h.device.type, enabled=False):
@@ -220,7 +181,7 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         n = states.size(0)
         with torch.autocast(states.device.type, enabled=False):  # dtypes are chosen here, explicitly
             h, w = _zero_padded_rows(states.to(dtype), -(-n // ROW_MULTIPLE) * ROW_MULTIPLE), weight.to(dtype)
-            logits, ctx.buffer = _project(h, w)  # (N rounded up, V); the rows from n on are zero and stay out of the loss
+            logits = h @ w.t()  # (N rounded up, V); the rows from n on are zero and stay out of the loss
         wide = torch.float64 if dtype == torch.float64 else torch.float32
         in_place = logits.dtype == wide
         picked = logits[:n].gather(1, target[:, None]).squeeze(1).to(wide)  # before exp overwrites them; exact
@@ -294,9 +255,6 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False):
             grad_states = (logits @ w)[:n] if ctx.needs_input_grad[0] else None
             grad_weight = logits.t() @ h if ctx.needs_input_grad[1] else None
-        if ctx.buffer is not None:  # nothing reads the logits after this
-            _LOGITS.give_back(ctx.buffer)
-            ctx.buffer = None
         return (None if grad_states is None else grad_states.to(ctx.dtypes[0]),
                 None if grad_weight is None else grad_weight.to(ctx.dtypes[1]), None, None, None)
 

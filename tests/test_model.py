@@ -372,12 +372,15 @@ def _every_attention_path(q, k, v, mask):
     """Each way mtrain attends on a CPU, by name: the entry point with the stand-ins on and off,
     and each stand-in called directly."""
     from mtrain.cpu import native
-    from mtrain.cpu.ops import batched_attention
+    from mtrain.cpu.ops import heads_attention
 
     paths = {"sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)}
     paths["attend"] = lambda: attend(q, k, v, mask, 0.0)
     paths["attend, stand-ins off"] = lambda: _plain(lambda: attend(q, k, v, mask, 0.0))
-    paths["batched_attention"] = lambda: batched_attention(q.float(), k.float(), v.float(), mask, False)
+    B, H = q.shape[:2]
+    heads = lambda x: x.float().transpose(0, 1).reshape(H * B, x.size(2), x.size(3))  # noqa: E731
+    paths["heads_attention"] = lambda: heads_attention(heads(q)[None], torch.stack([heads(k), heads(v)]), mask,
+                                                       False).view(H, B, *q.shape[2:]).transpose(0, 1)
     paths["bfloat16_attention"] = lambda: bfloat16_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 0.0, False)
     paths["attend, bfloat16 over float32 keys"] = lambda: attend(q.bfloat16(), k.float(), v.float(), mask, 0.0)
     if native.library() is not None and q.size(-1) in native.HEAD_SIZES:
@@ -463,38 +466,46 @@ def test_bf16_attention_ignores_masked_keys_and_the_future_exactly():
     assert torch.equal(attend(q, k, v, None, 0.0, True)[:, :, :6], attend(q, k3, v3, None, 0.0, True)[:, :, :6])
 
 
-@pytest.mark.parametrize("masking", ["padding", "causal", "prefix", "cross"])
-def test_batched_attention_is_sdpa_in_value_and_gradient(masking):
-    """The CPU training step's float32 attention (ops.batched_attention) gives
-    PyTorch's attention: values and the gradients of q, k and v, in float64 to 1e-12; a row with
-    every key masked gets zeros; and its backward passes gradcheck."""
-    from mtrain.cpu.ops import batched_attention
+@pytest.mark.parametrize("masking", ["padding", "causal", "cross"])
+def test_heads_attention_is_sdpa_in_value_and_gradient(masking):
+    """A packed CPU training step's attention (ops.heads_attention, on heads laid out heads before
+    sentences) gives PyTorch's attention: values and the gradients of q, k and v, in float64 to
+    1e-12; a row with every key masked gets zeros; and its backward passes gradcheck."""
+    from mtrain.cpu.ops import heads_attention
 
     gen = torch.Generator().manual_seed(12)
-    q = torch.randn(3, 4, 9, 16, generator=gen, dtype=torch.float64)
-    keys = 6 if masking == "cross" else 9
-    k, v = (torch.randn(3, 4, keys, 16, generator=gen, dtype=torch.float64) for _ in range(2))
-    mask, causal = None, masking == "causal"
-    if masking in ("padding", "cross"):  # the third row masks every key
+    B, H, T, D = 3, 4, 9, 16
+    q = torch.randn(B, H, T, D, generator=gen, dtype=torch.float64)
+    keys = 6 if masking == "cross" else T
+    k, v = (torch.randn(B, H, keys, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    mask, causal, cross = None, masking == "causal", masking == "cross"
+    if masking != "causal":  # the third row masks every key
         mask = torch.tensor([[True] * keys, [True] * 4 + [False] * (keys - 4), [False] * keys])[:, None, None, :]
-    elif masking == "prefix":  # 9 queries after 0 cached positions, as causal_mask builds it
-        mask = torch.ones(9, 9, dtype=torch.bool).tril()
-    ours = [x.clone().requires_grad_() for x in (q, k, v)]
+
+    def heads(x: torch.Tensor) -> torch.Tensor:  # (B, H, n, D) -> (H * B, n, D)
+        return x.transpose(0, 1).reshape(H * B, x.size(2), D)
+
+    if cross:
+        ours = [heads(q)[None].clone().requires_grad_(), torch.stack([heads(k), heads(v)]).requires_grad_()]
+    else:
+        ours = [torch.stack([heads(q), heads(k), heads(v)]).requires_grad_(), None]
     theirs = [x.clone().requires_grad_() for x in (q, k, v)]
-    got = batched_attention(*ours, mask, causal)
-    want = torch.nn.functional.scaled_dot_product_attention(*theirs, attn_mask=mask, is_causal=causal)
-    if masking in ("padding", "cross"):
-        assert (got[2] == 0).all()
-        want = torch.cat([want[:2], torch.zeros_like(want[2:])])  # whatever SDPA gives for nothing to attend to
+    got = heads_attention(*ours, mask, causal)
+    want = heads(torch.nn.functional.scaled_dot_product_attention(*theirs, attn_mask=mask, is_causal=causal))
+    if mask is not None:  # the third sentence's rows, one per head
+        third = torch.arange(H * B) % B == 2
+        assert (got[third] == 0).all()
+        want = want.masked_fill(third[:, None, None], 0.0)  # whatever SDPA gives for nothing to attend to
     assert (got - want).abs().max().item() < 1e-12
     upstream = torch.randn(got.shape, generator=gen, dtype=torch.float64)
     got.backward(upstream)
     want.backward(upstream)
-    for a, b in zip(ours, theirs):
-        assert (a.grad - b.grad).abs().max().item() < 1e-12
-    small = [x[:2, :2, :5, :4].clone().requires_grad_() for x in (q, k, v)]
-    small_mask = None if mask is None else mask[:2, ..., :5, :5] if mask.dim() == 4 else mask[:5, :5]
-    assert torch.autograd.gradcheck(lambda a, b, c: batched_attention(a, b, c, small_mask, causal), small)
+    grads = [*ours[0].grad[:1], *ours[1].grad] if cross else list(ours[0].grad)
+    for ours_grad, reference in zip(grads, theirs):
+        assert (ours_grad - heads(reference.grad)).abs().max().item() < 1e-12
+    small_q = torch.randn(3, 4, 5, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    small_mask = None if mask is None else torch.tensor([[True] * 5, [True] * 2 + [False] * 3])[:, None, None, :]
+    assert torch.autograd.gradcheck(lambda x: heads_attention(x, None, small_mask, causal), [small_q])
 
 
 @pytest.mark.parametrize("masking", ["padding", "causal", "cross"])
@@ -531,23 +542,6 @@ def test_bf16_heads_attention_is_bf16_attention_bit_for_bit(masking):
     grads = [q.grad[0], kv.grad[0], kv.grad[1]] if cross else list(q.grad.unbind(0))
     for ours, reference in zip(grads, theirs):
         assert ours.dtype == torch.bfloat16 and torch.equal(ours, heads_first(reference.grad))
-
-
-def test_float32_attention_with_gradients_takes_the_batched_kernel_on_cpu():
-    """attend sends float32 training tensors (gradients wanted, no attention dropout) to
-    batched_attention and everything else to PyTorch's kernel: the same values either way."""
-    from mtrain.cpu import attention as model_module
-
-    gen = torch.Generator().manual_seed(13)
-    q, k, v = (torch.randn(2, 4, 7, 8, generator=gen) for _ in range(3))
-    q.requires_grad_()  # a training step's queries
-    assert model_module.batched_on_cpu(q, k, 0.0)
-    assert not model_module.batched_on_cpu(q, k, 0.1)  # attention dropout: PyTorch's kernel draws it
-    assert not model_module.batched_on_cpu(q.detach(), k, 0.0)  # evaluation and decoding
-    with torch.no_grad():
-        assert not model_module.batched_on_cpu(q, k, 0.0)
-        plain = attend(q, k, v, None, 0.0, True)
-    assert (attend(q, k, v, None, 0.0, True) - plain).abs().max().item() < 1e-6
 
 
 def test_bf16_attention_dropout_drops_weights_in_training_only():

@@ -352,41 +352,6 @@ def test_keep_bits_compares_every_lane_on_its_own(dtype, p):
     assert scale == 32768 / (32768 - round(p * 32768))
 
 
-def test_the_logits_buffer_is_reused_and_changes_no_value_or_gradient(monkeypatch):
-    """Forward and backward write the logits into one pooled buffer, step after step, growing it when
-    a batch needs more rows; losses and gradients are bit for bit those of fresh logits. A forward
-    without a backward (no_grad), and two forwards before their backwards, keep their own buffers:
-    every gradient is still right."""
-    def run(states, weight, target):
-        return both(states, weight, target, 0.1, True)
-
-    problems = [problem(n, d=16, vocab=300, dtype=torch.float32, seed=n) for n in (70, 20, 200, 64)]
-    pooled = [run(*p) for p in problems]
-    taken = []
-    real_take = loss_module._LOGITS.take
-    monkeypatch.setattr(loss_module._LOGITS, "take", lambda *a: taken.append(real_take(*a)) or taken[-1])
-    loss_module._LOGITS.free.clear()
-    again = [run(*p) for p in problems]
-    # 128, 64, 256 and 64 rows (counts rounded up to 64): made for the first, grown for the third
-    assert len({id(buffer) for buffer in taken}) == 2 and taken[0] is taken[1] and taken[2] is taken[3]
-    monkeypatch.setattr(loss_module, "_project", lambda h, w: (h @ w.t(), None))
-    fresh = [run(*p) for p in problems]
-    for a, b, c in zip(pooled, again, fresh):
-        for x, y, z in zip(a, b, c):
-            assert torch.equal(x, y) and torch.equal(x, z)
-    monkeypatch.undo()
-
-    states, weight, target = problems[0]
-    with torch.no_grad():
-        projected_label_smoothed_loss(states, weight, target, 0.1)  # takes the buffer, never gives it back
-    h1, h2 = states.clone().requires_grad_(), states.clone().requires_grad_()
-    first = projected_label_smoothed_loss(h1, weight, target, 0.1)[0]
-    second = projected_label_smoothed_loss(h2, weight, target, 0.1)[0]  # its own buffer
-    (first * 0.37).backward()
-    (second * 0.37).backward()
-    assert torch.equal(h1.grad, pooled[0][2]) and torch.equal(h2.grad, pooled[0][2])
-
-
 @pytest.mark.parametrize("in_scale", [1.0, 1.25])
 def test_dropout_linear_is_dropout_of_the_layer(in_scale):
     """dropout_linear(layer, x, p, in_scale) = dropout(layer(x * in_scale)) with the same draw: the

@@ -232,12 +232,13 @@ def run_benchmark(script: str, *extra: str) -> dict:
 
 def test_the_packing_benchmark_compares_attention_from_the_rows_with_the_grid():
     """packing_ab.py --attention: both steps packed, attention from the rows to the heads against
-    through the grid. In float32 the two do the same arithmetic on the same values, so one step
-    of each from the same weights gives the same loss and gradients."""
+    through the grid (PyTorch's kernel there). One step of each from the same weights gives the
+    same loss to float32 rounding and gradients within a few float32 roundings."""
     result = run_benchmark("packing_ab.py", "--attention")
     assert set(result["tok_s"]) == {"grid", "heads"} and min(result["tok_s"].values()) > 0
-    assert result["parity"]["loss"]["grid"] == result["parity"]["loss"]["heads"]
-    assert result["parity"]["max_relative_gradient_difference"] < 1e-6
+    grid, heads = result["parity"]["loss"]["grid"], result["parity"]["loss"]["heads"]
+    assert abs(grid - heads) <= 1e-6 * abs(heads)
+    assert result["parity"]["max_relative_gradient_difference"] < 1e-5
     assert result["heads_speedup_median"] > 0
 
 

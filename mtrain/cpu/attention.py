@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mtrain.cpu.ops import batched_attention, dropout, softmax_rows
+from mtrain.cpu.ops import dropout, softmax_rows
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, is_causal: bool) -> Tensor | None:
@@ -18,24 +18,15 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: floa
     bfloat16 keys (training under autocast, a decoding copy without a cache) bfloat16_attention;
     with float32 keys (a decoding cache keeps them float32, mtrain.cache) PyTorch's float32 kernel
     on an upcast q. The result has q's dtype, as autocast would cast it for the next projection
-    (and a bfloat16 decoding copy needs). A float32 training step's attention takes
-    batched_attention."""
+    (and a bfloat16 decoding copy needs). Other dtypes keep PyTorch's kernel (a packed training
+    step's attention takes ops.heads_attention before it gets here, mtrain.cpu.model)."""
     if q.dtype == torch.bfloat16:
         if k.dtype == torch.bfloat16:
             return bfloat16_attention(q, k, v, mask, dropout_p, is_causal)
         with torch.autocast("cpu", enabled=False):  # autocast would cast them back to bfloat16
             return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
                                                   dropout_p=dropout_p, is_causal=is_causal).to(q.dtype)
-    if batched_on_cpu(q, k, dropout_p):
-        return batched_attention(q, k, v, mask, is_causal)
     return None
-
-
-def batched_on_cpu(q: Tensor, k: Tensor, dropout_p: float, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
-    """Whether float32 attention takes ops.batched_attention: a CPU training step (gradients
-    wanted, eager) without attention dropout, where it is faster than PyTorch's CPU kernel."""
-    return (q.device.type == "cpu" and q.dtype in dtypes and dropout_p == 0.0 and torch.is_grad_enabled()
-            and (q.requires_grad or k.requires_grad) and not torch.compiler.is_compiling())
 
 
 def bfloat16_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,

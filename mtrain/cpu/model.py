@@ -20,7 +20,6 @@ from torch import Tensor, nn
 from mtrain.attention import attend
 from mtrain.cache import KVCache, LayerCache
 from mtrain.cpu import fast, switches
-from mtrain.cpu.attention import batched_on_cpu
 from mtrain.cpu.ops import Dropout, dropout_linear, heads_attention, linear, linear_relu_dropout, on_fast_cpu
 from mtrain.cpu.packing import Packing
 from mtrain.model import (CrossAttention, DecoderLayer, EncoderLayer, FeedForward, SelfAttention, Transformer,
@@ -195,12 +194,13 @@ HEADS_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 def heads_from_rows(x: Tensor, packing: Packing | None, dropout_p: float) -> bool:
     """Whether attention takes a packed step's rows straight to its heads and back (Packing.to_heads,
-    ops.heads_attention, Packing.from_heads): where batched_attention runs, in float64, and in
-    bfloat16 (autocast), where it does bfloat16_attention's arithmetic without the grid. At the
+    ops.heads_attention, Packing.from_heads): a CPU training step (gradients wanted, eager) without
+    attention dropout, in float32, float64 and bfloat16 (autocast), where it does
+    bfloat16_attention's arithmetic without the grid. At the
     small shape the copies into and out of the grid cost about twice as long as the one gather
     each way (benchmarks/results/amd-epyc-avx2/NOTES.md). switches.heads_from_rows=False keeps the grid."""
-    return (packing is not None and switches.heads_from_rows
-            and batched_on_cpu(x, x, dropout_p, HEADS_DTYPES))
+    return (packing is not None and switches.heads_from_rows and on_fast_cpu(x) and x.dtype in HEADS_DTYPES
+            and dropout_p == 0.0 and torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling())
 
 
 def packs(ids: Tensor) -> bool:

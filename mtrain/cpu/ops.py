@@ -333,57 +333,9 @@ class _OneDNNLinear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None, None
 
 
-def batched_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
-    """F.scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal) without dropout, for a
-    CPU training step: (B, H, T, d_head) queries over (B, H, S, d_head) keys and values, SDPA's
-    masks (True = may attend, broadcast to (B, H, T, S); is_causal aligns the triangle top-left).
-    A row with every key masked gets zero weights, as SDPA's CPU kernels give.
-
-    PyTorch's CPU kernel for these shapes is a flash-attention kernel, built for long sequences:
-    at a training step's (250-500 sentences x 4 heads x 8-16 positions) it took 23-36 ms forward
-    and backward per layer where these batched matmuls, on copies of q, k and v laid out for them,
-    took 16-22, and a training step ran 1.05x as fast (float32, 2-core AVX2 EPYC,
-    benchmarks/results/amd-epyc-avx2/NOTES.md). bmm reads no other layout in place: given one head's strided slice it
-    loops over the matrices one by one. The resident set after six steps grew by 60-80 MB (of
-    1.25-1.28 GB): the heap's free fragments, not live data (the tensors saved for the backward
-    grew by 9 MB). With a buffer of its own for each copy and each gradient it had grown by 140."""
-    return _BatchedAttention.apply(q, k, v, mask, is_causal)
-
-
-class _BatchedAttention(torch.autograd.Function):
-    """softmax(q k^T / sqrt(d_head) + mask) v with bmm over the B * H heads, keeping the weights
-    P (B * H x T x S, small at these lengths) for the backward:
-        dV = P^T dY,  dP = dY V^T,  dS = P * (dP - rowsum(dP * P)) / sqrt(d_head),
-        dQ = dS K,  dK = dS^T Q."""
-
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
-        B, H, T, D = q.shape
-        S = k.size(2)
-        if T == S:
-            q, k, v = _one_buffer(3, q, B * H, T, D, copies_of=(q, k, v))
-        else:
-            q = q.reshape(B * H, T, D)
-            k, v = _one_buffer(2, k, B * H, S, D, copies_of=(k, v))
-        y = _attention_forward(ctx, q, k, v, None if mask is None else (mask, (B, H, T, S)), is_causal)
-        return y.view(B, H, T, D)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:
-        q, k = ctx.saved_tensors[:2]
-        B, H, T, D = grad.shape
-        S = k.size(1)
-        if T == S:
-            grad_q, grad_k, grad_v = _one_buffer(3, q, B * H, T, D)
-        else:
-            grad_q = torch.empty_like(q)
-            grad_k, grad_v = _one_buffer(2, k, B * H, S, D)
-        _attention_backward(ctx, grad.reshape(B * H, T, D), grad_q, grad_k, grad_v)
-        return grad_q.view(B, H, T, D), grad_k.view(B, H, S, D), grad_v.view(B, H, S, D), None, None
-
-
 def heads_attention(q: Tensor, kv: Tensor | None, mask: Tensor | None, is_causal: bool) -> Tensor:
-    """batched_attention on heads laid out as mtrain.cpu.packing.Packing.to_heads gives them, heads
+    """softmax(q k^T / sqrt(d_head) + mask) v by batched matmuls, for a packed CPU training step, on
+    heads laid out as mtrain.cpu.packing.Packing.to_heads gives them, heads
     before sentences: q (3, H * B, T, d_head) holding Q, K and V for self-attention (kv None), or
     q (1, H * B, T, d_head) and kv (2, H * B, S, d_head) for cross-attention. mask broadcasts to
     (B, 1, T, S). Returns (H * B, T, d_head). Q, K and V are read where they lie and their
@@ -392,7 +344,15 @@ def heads_attention(q: Tensor, kv: Tensor | None, mask: Tensor | None, is_causal
 
 
 class _HeadsAttention(torch.autograd.Function):
-    """_BatchedAttention's arithmetic on heads_attention's layout."""
+    """softmax(q k^T / sqrt(d_head) + mask) v with bmm over the heads, keeping the weights
+    P (G x T x S, small at these lengths) for the backward:
+        dV = P^T dY,  dP = dY V^T,  dS = P * (dP - rowsum(dP * P)) / sqrt(d_head),
+        dQ = dS K,  dK = dS^T Q.
+    PyTorch's CPU kernel for these shapes is a flash-attention kernel, built for long sequences: at
+    a training step's (250-500 sentences x 4 heads x 8-16 positions) it took 23-36 ms forward and
+    backward per layer where batched matmuls took 16-22 (float32, 2-core AVX2 EPYC,
+    benchmarks/results/amd-epyc-avx2/NOTES.md). A row with every key masked gets zero weights, as
+    SDPA's CPU kernels give."""
 
     @staticmethod
     def forward(ctx, q: Tensor, kv: Tensor | None, mask: Tensor | None, is_causal: bool) -> Tensor:
@@ -501,16 +461,6 @@ def _softmax_dtype(q: Tensor) -> torch.dtype:
     bfloat16 q, k and v, whose matmuls run in bfloat16 around a float32 softmax, exactly as
     mtrain.attention.bfloat16_attention does (and autograd's backward through it)."""
     return torch.float32 if q.dtype == torch.bfloat16 else q.dtype
-
-
-def _one_buffer(n: int, like: Tensor, *shape: int, copies_of: tuple[Tensor, ...] = ()) -> tuple[Tensor, ...]:
-    """n tensors of `shape` as views of one new buffer (of like's dtype and device), holding copies
-    of copies_of when given (same element count). One buffer the size of the fused projection's
-    output, like that output itself, leaves the heap fewer fragments than a buffer per tensor."""
-    buffer = like.new_empty(n, *shape)
-    for slot, x in zip(buffer, copies_of):
-        slot.view(x.shape).copy_(x)
-    return tuple(buffer.unbind(0))
 
 
 def logsumexp_(x: Tensor, peak: Tensor) -> Tensor:
