@@ -6,8 +6,6 @@ float32 model):
   without them (float32 cache, PyTorch's attention, upcast logits, oneDNN's linear layers).
 - `--compare amx_linear`: the linear layers of decoding steps by mtrain.cpu.native.amx_linear
   against oneDNN's kernel, everything else the same (mtrain.cpu.switches.amx_linear).
-- `--compare softmax`: attention's softmax over short rows padded to 16 columns (mtrain.cpu.ops.softmax_rows)
-  against torch.softmax on the rows as they are.
 
     python benchmarks/decode_ab.py --threads 2                 # greedy, the C kernels
     python benchmarks/decode_ab.py --beam 5 --threads 2 --json
@@ -39,12 +37,10 @@ if __name__ == "__main__":  # before torch runs anything, as the CLI does
 import torch  # noqa: E402
 
 import mtrain.cache as cache_module  # noqa: E402
-import mtrain.cpu.attention as attention_module  # noqa: E402
 import mtrain.cpu.quantize as quantize_module  # noqa: E402
 import mtrain.search as search_module  # noqa: E402
 from mtrain.cpu import native, switches  # noqa: E402
 from mtrain.hardware import cpu_has_native_bf16, machine_record  # noqa: E402
-from mtrain.cpu.ops import softmax_rows  # noqa: E402
 from mtrain.model import Transformer  # noqa: E402
 from mtrain.cpu.quantize import bfloat16_weights  # noqa: E402
 from mtrain.search import beam_search, greedy_search  # noqa: E402
@@ -70,8 +66,6 @@ def _kernels(module):
 
 # Each comparison: {baseline, candidate}, in that order; each variant sets what it changes.
 COMPARISONS = {
-    "softmax": {"unpadded": setter(attention_module, "softmax_rows", lambda x: torch.softmax(x, dim=-1)),
-                "padded": setter(attention_module, "softmax_rows", softmax_rows)},
     "cpu_kernels": {"torch": _kernels(_Off), "c": _kernels(native)},
     "amx_linear": {"onednn": setter(switches, "amx_linear", False), "amx": setter(switches, "amx_linear", True)},
 }

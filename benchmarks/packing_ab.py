@@ -2,8 +2,7 @@
 on the padded batch, alternated batch by batch in one process, so that load from elsewhere on a
 shared machine hits both alike. With --attention, both steps packed: attention from the rows
 straight to the heads (mtrain.cpu.switches.heads_from_rows) against attention through the padded grid.
-With --softmax, both packed: attention's softmax over rows shorter than 16 padded to 16
-(mtrain.cpu.ops.softmax_rows) against torch's softmax on the rows as they are. With --masks, both
+With --masks, both
 packed: dropout masks written by mtrain.cpu.native in one pass against masks from numpy's
 PCG64DXSM words and three integer passes over them (the masks' cost, not their bits, is compared).
 With --loss (with --bf16), both packed: the loss's row sums and gradient over the bfloat16 logits
@@ -13,7 +12,6 @@ by mtrain.cpu.native against PyTorch's passes over chunks of rows.
     python benchmarks/packing_ab.py --bf16 --shape base --batches 3    # the paper's base shape
     python benchmarks/packing_ab.py --threads 2 --json                 # float32
     python benchmarks/packing_ab.py --bf16 --attention --threads 2     # rows to heads against the grid
-    python benchmarks/packing_ab.py --bf16 --softmax --threads 2       # padded short softmax rows or not
     python benchmarks/packing_ab.py --bf16 --masks --threads 2         # dropout masks in C or from numpy
     python benchmarks/packing_ab.py --bf16 --loss --threads 2          # the loss over bf16 logits in C or not
 
@@ -42,7 +40,6 @@ from ab import alternate  # noqa: E402
 
 from mtrain.cpu import ops  # noqa: E402
 from mtrain.cpu import native  # noqa: E402
-import mtrain.cpu.attention as attention_module  # noqa: E402
 import mtrain.cpu.model as cpu_model  # noqa: E402
 from mtrain.cpu import switches  # noqa: E402
 from mtrain.loss import Objective  # noqa: E402
@@ -57,20 +54,6 @@ def choose(packs, heads_from_rows: bool):
     """A variant: packing on or off, and whether attention goes from the rows to the heads."""
     def apply() -> None:
         cpu_model.packs, switches.heads_from_rows = packs, heads_from_rows
-    return apply
-
-
-SOFTMAX = (ops.softmax_rows, ops.softmax_rows_backward)
-TORCH_SOFTMAX = (lambda x: torch.softmax(x, dim=-1),
-                 lambda grad, weights: torch._softmax_backward_data(grad, weights, -1, weights.dtype))
-
-
-def softmax(forward_backward):
-    """A variant of the packed step whose attention takes this softmax (forward, backward)."""
-    def apply() -> None:
-        choose(PACKED, HEADS)()
-        ops.softmax_rows, ops.softmax_rows_backward = forward_backward
-        attention_module.softmax_rows = forward_backward[0]
     return apply
 
 
@@ -107,7 +90,6 @@ def loss_kernels(on: bool):
 COMPARISONS = {
     "packing": {"padded": choose(PADDED, HEADS), "packed": choose(PACKED, HEADS)},
     "attention": {"grid": choose(PACKED, False), "heads": choose(PACKED, HEADS)},
-    "softmax": {"unpadded": softmax(TORCH_SOFTMAX), "padded": softmax(SOFTMAX)},
     "masks": {"numpy": masks(numpy_lanes), "c": masks(ops.cpu_keep_lanes)},
     "loss": {"chunks": loss_kernels(False), "c": loss_kernels(True)},
 }
@@ -181,15 +163,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser = step_options(__doc__, batches=6, rounds=3)
     parser.add_argument("--attention", action="store_true",
                         help="both packed: attention from the rows to the heads against through the grid")
-    parser.add_argument("--softmax", action="store_true",
-                        help="both packed: short softmax rows padded to 16 against as they are")
     parser.add_argument("--masks", action="store_true",
                         help="both packed: dropout masks by mtrain.cpu.native against from numpy's words")
     parser.add_argument("--loss", action="store_true",
                         help="both packed: the loss over bfloat16 logits by mtrain.cpu.native against by chunks")
     args = parser.parse_args(argv)
     cfg, batches, lengths = step_batches(args)
-    variants = COMPARISONS["loss" if args.loss else "masks" if args.masks else "softmax" if args.softmax
+    variants = COMPARISONS["loss" if args.loss else "masks" if args.masks
                            else "attention" if args.attention else "packing"]
     baseline, candidate = variants
     check = parity(cfg, batches[0], args.bf16, variants)

@@ -145,8 +145,8 @@ def stored_dtype(x: Tensor) -> torch.dtype:
     """The dtype keys and values are kept in: float32 for bfloat16 on a CPU, where attention runs
     in float32 anyway (mtrain.attention.attend), so each key is upcast once, when it is stored, rather
     than at every later step that reads it (in a bfloat16 beam-5 profile those upcasts were a
-    quarter of the time); the dtype they come in elsewhere. Greedy search attends over them by
-    float32 matmuls, beam search with PyTorch's kernel (mtrain.attention.cache_attention)."""
+    quarter of the time); the dtype they come in elsewhere. Where mtrain.cpu.native loads, the
+    cache keeps bfloat16 keys for its kernel instead (LayerCache.kept_dtype)."""
     return torch.float32 if on_fast_cpu(x) and x.dtype == torch.bfloat16 else x.dtype
 
 

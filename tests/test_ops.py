@@ -425,92 +425,6 @@ def test_feed_forward_in_training_is_relu_dropout_linear_dropout():
     assert torch.equal(ffn.eval()(x), ffn[3](torch.relu(ffn[0](x))))
 
 
-def _onednn_case(dtype, relu: bool, p: float):
-    """(y, grads by x, W, b) of the kernels' training linear layer for float32 inputs computed in
-    dtype (under autocast for bfloat16), and the same composition in float64 with the same draw."""
-    from mtrain.cpu.ops import dropout_linear, keep_scale, linear, linear_relu_dropout
-
-    gen = torch.Generator().manual_seed(4)
-    x = torch.randn(5, 7, 16, generator=gen).requires_grad_()
-    layer = torch.nn.Linear(16, 24)
-    grad_out = torch.randn(5, 7, 24, generator=gen)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
-    torch.manual_seed(9)
-    with autocast:
-        if relu:
-            y, scale = linear_relu_dropout(layer, x, p, True)
-        elif p:
-            y, scale = dropout_linear(layer, x, p, True), 1.0
-        else:
-            y, scale = linear(layer, x, True), 1.0
-    (y.float() * grad_out).sum().backward()
-    got = y.detach().double(), x.grad.double(), layer.weight.grad.double(), layer.bias.grad.double()
-    assert y.dtype == dtype and layer.weight.grad.dtype == torch.float32  # autocast's dtypes
-
-    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, layer.weight, layer.bias))
-    keep = keep_draw(5 * 7 * 24, p, seed=9).view(5, 7, 24) if p else torch.ones(5, 7, 24, dtype=torch.bool)
-    y64 = torch.nn.functional.linear(x64, w64, b64)
-    if relu:
-        assert scale == (keep_scale(p) if p else 1.0)
-        # The gradient passes where the layer's own output is positive: an output within rounding
-        # of 0 may fall on either side of the ReLU in float64 and in bfloat16.
-        passed = got[0] > 0
-        assert torch.equal(passed, keep & (y64 > 0)) or (y64[passed != (keep & (y64 > 0))].abs() < 0.02).all()
-        value = torch.relu(y64.detach()) * keep
-        y64 = y64 * passed
-    else:
-        y64 = value = y64 * keep * (keep_scale(p) if p else 1.0)
-    (y64 * grad_out.double()).sum().backward()
-    return got, (value.detach(), x64.grad, w64.grad, b64.grad), keep
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("relu, p", [(False, 0.0), (False, 0.3), (True, 0.0), (True, 0.25)])
-def test_onednn_training_linear_is_the_plain_composition(dtype, relu, p):
-    """In training on a CPU the linear layers run through oneDNN with the bias, the ReLU and the
-    dropout mask applied to the matmul's output: output and gradients by x, W and b are those of
-    linear -> (ReLU) -> dropout in float64 with the same draw, to the dtype's rounding; dropped and
-    negative outputs are exactly 0, and the gradient passes nowhere else."""
-    from mtrain.cpu.ops import onednn_linear_runs
-
-    if not onednn_linear_runs(dtype):
-        pytest.skip(f"oneDNN's {dtype} linear does not run on this CPU")
-    got, expected, keep = _onednn_case(dtype, relu, p)
-    tolerance = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
-    for a, b in zip(got, expected):
-        assert (a - b).abs().max() <= tolerance * b.abs().max()
-    assert (got[0][~keep] == 0).all()  # dropped outputs are exactly 0
-    if relu:
-        assert (got[0] >= 0).all()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_softmax_rows_is_torch_softmax_in_value_and_gradient_at_every_width(dtype):
-    """ops.softmax_rows pads rows shorter than 16 with -inf on a CPU: every width from 1 to 20
-    gives torch.softmax's weights (masked -inf entries included, a row of only -inf NaN as torch
-    gives it) and softmax_rows_backward gives autograd's gradient of torch.softmax."""
-    from mtrain.cpu.ops import softmax_rows, softmax_rows_backward
-
-    gen = torch.Generator().manual_seed(3)
-    tolerance = 1e-6 if dtype == torch.float32 else 1e-13
-    for width in range(1, 21):
-        x = torch.randn(5, 7, width, generator=gen, dtype=dtype) * 4
-        x[1, :, width // 2 :] = float("-inf")  # masked keys
-        x[2, 3] = float("-inf")  # a query with nothing to attend to
-        want = torch.softmax(x, dim=-1)
-        got = softmax_rows(x)
-        assert got.shape == x.shape
-        assert got[2, 3].isnan().all() and want[2, 3].isnan().all()
-        got, want = got.nan_to_num(), want.nan_to_num()
-        assert (got - want).abs().max().item() < tolerance
-        grad = torch.randn(x.shape, generator=gen, dtype=dtype)
-        leaf = x.clone().requires_grad_()
-        torch.softmax(leaf, dim=-1).nan_to_num().backward(grad)
-        ours = softmax_rows_backward(grad, got)
-        assert ours.shape == x.shape
-        assert (ours - leaf.grad.nan_to_num()).abs().max().item() < tolerance
-
-
 # --- private PyTorch ops: each is tried once, and a PyTorch where it is missing or changed keeps a public path
 
 
@@ -520,7 +434,7 @@ def test_softmax_backward_falls_back_to_the_formula_where_the_private_op_changes
     weights = torch.softmax(torch.randn(4, 7, 11, dtype=torch.float64), -1)
     grad = torch.randn(4, 7, 11, dtype=torch.float64)
     want = weights * (grad - (grad * weights).sum(-1, keepdim=True))
-    assert torch.allclose(ops.softmax_rows_backward(grad, weights), want)
+    assert torch.allclose(ops.softmax_backward(grad, weights), want)
 
     def changed(*args):
         raise TypeError("_softmax_backward_data() takes 3 positional arguments but 4 were given")
@@ -528,26 +442,29 @@ def test_softmax_backward_falls_back_to_the_formula_where_the_private_op_changes
     monkeypatch.setattr(torch, "_softmax_backward_data", changed)
     ops._private_softmax_backward.cache_clear()
     try:
-        assert torch.allclose(ops.softmax_rows_backward(grad, weights), want)
+        assert torch.allclose(ops.softmax_backward(grad, weights), want)
     finally:
         ops._private_softmax_backward.cache_clear()
 
 
-def test_training_linear_layers_keep_nn_linear_where_onednns_private_op_changes(monkeypatch):
+def test_decoding_copies_keep_nn_linear_where_onednns_private_op_changes(monkeypatch):
+    from mtrain.config import ModelConfig
     from mtrain.cpu import ops
+    from mtrain.cpu.quantize import OneDNNLinear, bfloat16_weights
+    from mtrain.model import Transformer
 
     def changed(x, weight, bias, attr, scalars, algorithm):
         raise RuntimeError("mkldnn::_linear_pointwise: unknown argument")
 
-    layer = torch.nn.Linear(16, 8)
-    x = torch.randn(5, 16, requires_grad=True)
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", changed)
     ops.onednn_linear_runs.cache_clear()
     try:
-        assert not ops.onednn_linear_runs(torch.float32)
-        y = ops.linear(layer, x, training=True)
-        assert torch.allclose(y, torch.nn.functional.linear(x, layer.weight, layer.bias))
-        y.sum().backward()
-        assert x.grad is not None
+        assert not ops.onednn_linear_runs(torch.float32) and not ops.onednn_linear_runs(torch.bfloat16)
+        model = bfloat16_weights(Transformer(ModelConfig(d_model=32, d_ff=64, n_heads=2, n_encoder_layers=1,
+                                                         n_decoder_layers=1, vocab_size=40)).eval())
+        assert not any(isinstance(m, OneDNNLinear) for m in model.modules())
+        with torch.inference_mode():
+            src = torch.randint(4, 40, (2, 5))
+            assert model.encode(src).isfinite().all()
     finally:
         ops.onednn_linear_runs.cache_clear()

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mtrain.cpu.ops import dropout, softmax_rows
+from mtrain.cpu.ops import dropout
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, is_causal: bool) -> Tensor | None:
@@ -43,5 +43,5 @@ def bfloat16_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dro
         mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    weights = dropout(softmax_rows(scores).nan_to_num(nan=0.0).to(q.dtype), dropout_p)  # a row of -inf: 0
+    weights = dropout(torch.softmax(scores, dim=-1).nan_to_num(nan=0.0).to(q.dtype), dropout_p)  # a row of -inf: 0
     return weights @ v

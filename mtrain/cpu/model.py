@@ -5,8 +5,8 @@ are, so a checkpoint does not know the difference); MTRAIN_CPU_FAST=0 leaves the
 
 What they change, each measured in the docstring of the function it calls (mtrain.cpu.ops):
 - a sublayer's residual dropout and the FFN's hidden dropout are folded into the linear layer
-  after them (dropout_linear, linear_relu_dropout), with masks drawn from 15 random bits
-  (ops.Dropout, keep_mask), and training's linear layers run through oneDNN (ops.linear);
+  after them (dropout_linear, relu_dropout), with masks drawn from 15 random bits
+  (ops.Dropout, keep_mask);
 - the whole step runs on the rows of the batch's real positions, without its padding
   (mtrain.cpu.packing: target_states), and attention takes those rows straight to its heads
   (heads_attention) where that is faster.
@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from mtrain.attention import attend
 from mtrain.cache import KVCache, LayerCache
 from mtrain.cpu import fast, switches
-from mtrain.cpu.ops import Dropout, dropout_linear, heads_attention, linear, linear_relu_dropout, on_fast_cpu
+from mtrain.cpu.ops import Dropout, dropout_linear, heads_attention, on_fast_cpu, relu_dropout
 from mtrain.cpu.packing import Packing
 from mtrain.model import (CrossAttention, DecoderLayer, EncoderLayer, FeedForward, SelfAttention, Transformer,
                           causal_mask, key_mask, sinusoids, split_heads)
@@ -33,7 +33,7 @@ class FastSelfAttention(SelfAttention):
                 cache: LayerCache | None = None, dropout: float = 0.0, packing: Packing | None = None) -> Tensor:
         """dropout: the residual dropout on the output (paper 5.4), applied in W^O (dropout_linear).
         packing: x is (N, d_model) rows of that padded batch (mtrain.cpu.packing), and so is the output."""
-        qkv = linear(self.qkv, x, self.training)
+        qkv = self.qkv(x)
         p = self.attention_dropout if self.training else 0.0
         if heads_from_rows(qkv, packing, p):
             y = heads_attention(packing.to_heads(qkv, 3, self.n_heads), None, mask, is_causal)
@@ -56,7 +56,7 @@ class FastCrossAttention(CrossAttention):
     """CrossAttention with the residual dropout in W^O, on a packed step's rows."""
 
     def memory_kv(self, memory: Tensor, packing: Packing | None = None) -> tuple[Tensor, Tensor]:
-        kv = linear(self.kv, memory, self.training)
+        kv = self.kv(memory)
         k, v = split_heads(kv if packing is None else packing.to_grid(kv), 2, self.n_heads)
         return k, v  # each (B, H, S, d_head)
 
@@ -65,10 +65,10 @@ class FastCrossAttention(CrossAttention):
                 memory_packing: Packing | None = None) -> Tensor:
         """dropout: the residual dropout on the output (paper 5.4), applied in W^O (dropout_linear).
         packing, memory_packing: x, memory are rows of those padded batches (mtrain.cpu.packing)."""
-        q = linear(self.q, x, self.training)
+        q = self.q(x)
         p = self.attention_dropout if self.training else 0.0
         if memory_packing is not None and heads_from_rows(q, packing, p):
-            kv = memory_packing.to_heads(linear(self.kv, memory, self.training), 2, self.n_heads)
+            kv = memory_packing.to_heads(self.kv(memory), 2, self.n_heads)
             y = heads_attention(packing.to_heads(q, 1, self.n_heads), kv, mask, False)
             return dropout_linear(self.out, packing.from_heads(y), dropout, self.training)
         if packing is not None:
@@ -92,12 +92,12 @@ class FastFeedForward(FeedForward):
 
     def forward(self, x: Tensor, dropout: float = 0.0) -> Tensor:
         """dropout: the residual dropout on the output (paper 5.4). In training the first layer,
-        its ReLU and the hidden dropout run as one (linear_relu_dropout) and both dropouts' scales
+        its ReLU and the hidden dropout run as one (relu_dropout) and both dropouts' scales
         go into W2 (dropout_linear); in evaluation the layers run in order, as a decoding copy fuses the ReLU
         into the first (mtrain.cpu.quantize)."""
         if not self.training:
             return super().forward(x)
-        hidden, scale = linear_relu_dropout(self[0], x, self[2].p, self.training)
+        hidden, scale = relu_dropout(self[0](x), self[2].p, self.training)
         return dropout_linear(self[3], hidden, dropout, self.training, in_scale=scale)
 
 

@@ -1,8 +1,7 @@
 """CPU stand-ins for torch ops that cost more than they should on a CPU: a dropout mask from 15
 random bits per element, made without bool tensors and applied by clearing bits, dropout folded
-into the linear layer around it, training's linear layers through oneDNN with the bias and ReLU
-fused, attention over short sequences by batched matmuls, a chunked top-k and an in-place
-logsumexp. Each gives what the torch op would (the dropout mask in distribution) and falls back to
+into the linear layer around it, a packed step's attention over short sequences by batched
+matmuls, a chunked top-k and argmax, and an in-place logsumexp. Each gives what the torch op would (the dropout mask in distribution) and falls back to
 it where torch is fast already."""
 
 from __future__ import annotations
@@ -223,38 +222,14 @@ def dropout_linear(layer: nn.Linear, x: Tensor, p: float, training: bool, in_sca
     scale = keep_scale(p)
     weight = layer.weight * (in_scale * scale)
     bias = None if layer.bias is None else layer.bias * scale
-    dtype = _onednn_dtype(x, training)
-    if dtype is not None:
-        keep = keep_mask(x.shape[:-1] + (layer.out_features,), dtype, x.device, p)[0]
-        return _onednn_linear(x, weight, bias, dtype, keep=keep)
     y = F.linear(x, weight, bias)
     return _Dropped.apply(y, keep_bits(y, p)[0], 1.0)
-
-
-def linear(layer: nn.Linear, x: Tensor, training: bool) -> Tensor:
-    """layer(x); in training on a CPU, through oneDNN's linear with the bias added in the matmul
-    (_OneDNNLinear)."""
-    dtype = _onednn_dtype(x, training)
-    return layer(x) if dtype is None else _onednn_linear(x, layer.weight, layer.bias, dtype)
-
-
-def linear_relu_dropout(layer: nn.Linear, x: Tensor, p: float, training: bool) -> tuple[Tensor, float]:
-    """relu_dropout(layer(x), p, training): a FFN's first layer, its ReLU and the dropout on its
-    hidden output, unscaled, with the scale for the next layer. In training on a CPU, one oneDNN
-    call with the bias and the ReLU fused (_OneDNNLinear), whose output the mask then clears."""
-    dtype = _onednn_dtype(x, training)
-    if dtype is None:
-        return relu_dropout(layer(x), p, training)
-    if p == 0.0:
-        return _onednn_linear(x, layer.weight, layer.bias, dtype, relu=True), 1.0
-    keep, scale = keep_mask(x.shape[:-1] + (layer.out_features,), dtype, x.device, p)
-    return _onednn_linear(x, layer.weight, layer.bias, dtype, relu=True, keep=keep), scale
 
 
 @functools.cache
 def onednn_linear_runs(dtype: torch.dtype) -> bool:
     """Whether oneDNN's linear (torch.ops.mkldnn._linear_pointwise, the kernel torch.compile's CPU
-    backend emits) runs in dtype here: float32 wherever PyTorch has oneDNN, bfloat16 only where
+    backend emits; a bfloat16 decoding copy's layers run on it, mtrain.cpu.quantize) runs in dtype here: float32 wherever PyTorch has oneDNN, bfloat16 only where
     its kernels accept the CPU (AVX-512 or AVX-NE-CONVERT). The op is private, so it is also tried
     once, on a small problem, against F.linear: a PyTorch where it is missing, takes other
     arguments or gives other values keeps nn.Linear's path."""
@@ -282,55 +257,6 @@ def same_as_linear(linear_relu, dtype: torch.dtype) -> bool:
         return False
     want = F.relu(F.linear(x.double(), weight.double(), bias.double()))
     return y.shape == want.shape and torch.allclose(y.double(), want, rtol=2e-2, atol=2e-2)
-
-
-def _onednn_dtype(x: Tensor, training: bool) -> torch.dtype | None:
-    """The dtype a training step's linear layer multiplies x in, where _OneDNNLinear runs it (a CPU,
-    float32 or bfloat16, eager); None where nn.Linear does."""
-    if not training or not on_fast_cpu(x) or torch.compiler.is_compiling():
-        return None
-    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
-    return dtype if dtype in (torch.float32, torch.bfloat16) and onednn_linear_runs(dtype) else None
-
-
-def _onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype, relu: bool = False,
-                   keep: Tensor | None = None) -> Tensor:
-    """_OneDNNLinear in dtype, with autocast's casts made here (the float32 weights' gradients come
-    back through them in float32, as under autocast)."""
-    with torch.autocast("cpu", enabled=False):
-        return _OneDNNLinear.apply(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype),
-                                   relu, keep)
-
-
-class _OneDNNLinear(torch.autograd.Function):
-    """y = x W^T + b, then max(0, y) when relu, then y cleared where keep is 0: the matmul, bias and
-    ReLU in one oneDNN call. nn.Linear's addmm first copies the bias into every output row and
-    then multiplies onto it, and the ReLU took a pass of its own: at a training step's shapes
-    (4080 x 256 -> 1024, bfloat16, 2-core AMX host) linear and ReLU took 1.48 ms, this 0.71, with
-    the same output. The backward is nn.Linear's: two matmuls and the bias's sum, after the ReLU's
-    threshold_backward over the output (zero wherever the gradient must be) or the mask's AND."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, relu: bool, keep: Tensor | None) -> Tensor:
-        y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "relu" if relu else "none", [], "")
-        if keep is not None:
-            y.view(keep.dtype).bitwise_and_(keep)
-        ctx.relu, ctx.has_bias = relu, bias is not None
-        ctx.save_for_backward(x, weight, y if relu else keep)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None, None, None]:
-        x, weight, cleared = ctx.saved_tensors  # cleared: the output (relu), the mask, or None
-        if ctx.relu:
-            grad = torch.ops.aten.threshold_backward(grad, cleared, 0)
-        elif cleared is not None:
-            grad = _cleared(grad, cleared, 1.0)
-        rows = grad.reshape(-1, grad.size(-1))
-        grad_x = (rows @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
-        grad_weight = rows.t() @ x.reshape(-1, x.size(-1)) if ctx.needs_input_grad[1] else None
-        grad_bias = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_weight, grad_bias, None, None
 
 
 def heads_attention(q: Tensor, kv: Tensor | None, mask: Tensor | None, is_causal: bool) -> Tensor:
@@ -388,7 +314,7 @@ def _attention_forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: tuple[Tensor,
     if mask is not None:
         keep, shape = mask
         scores.view(shape).add_(torch.zeros(keep.shape, dtype=scores.dtype, device=q.device).masked_fill_(~keep, NEG_INF))
-    weights = softmax_rows(scores).nan_to_num_(nan=0.0)  # a row of -inf: 0, not NaN
+    weights = torch.softmax(scores, dim=-1).nan_to_num_(nan=0.0)  # a row of -inf: 0, not NaN
     rounded = weights.to(q.dtype)  # weights itself unless q is bfloat16
     ctx.save_for_backward(q, k, v, weights, rounded)
     ctx.scale = scale
@@ -399,41 +325,11 @@ def _attention_backward(ctx, grad: Tensor, grad_q: Tensor, grad_k: Tensor, grad_
     """The gradients of _attention_forward for (G, T, D) grad, written into grad_q, grad_k, grad_v."""
     q, k, v, weights, rounded = ctx.saved_tensors
     grad_weights = torch.bmm(grad, v.transpose(1, 2)).to(weights.dtype)
-    grad_scores = softmax_rows_backward(grad_weights, weights)
+    grad_scores = softmax_backward(grad_weights, weights)
     grad_scores = grad_scores.mul_(ctx.scale).to(q.dtype)
     torch.bmm(grad_scores, k, out=grad_q)
     torch.bmm(grad_scores.transpose(1, 2), q, out=grad_k)
     torch.bmm(rounded.transpose(1, 2), grad, out=grad_v)
-
-
-# PyTorch's CPU softmax over a last dimension shorter than 16 takes an element-by-element path: over
-# 12 columns (1200 x 12 rows) forward took 1.29 ms and backward 0.51 ms, over the same rows padded
-# with -inf to 16 columns 0.15 and 0.08 (2-core AMX host, benchmarks/results/intel-xeon-amx/NOTES.md). Attention's rows are
-# that short wherever sentences are: Multi30k's length buckets, a search's first steps.
-SOFTMAX_WIDTH = 16
-
-
-def _pads_softmax(x: Tensor) -> bool:
-    return on_fast_cpu(x) and 1 < x.size(-1) < SOFTMAX_WIDTH
-
-
-def softmax_rows(x: Tensor) -> Tensor:
-    """torch.softmax(x, dim=-1). On a CPU, rows shorter than SOFTMAX_WIDTH are padded with -inf to
-    that width, whose exp adds exactly 0 to each sum; the result is a view of the padded weights
-    (last stride SOFTMAX_WIDTH), which matmuls read in place. Differentiable."""
-    if not _pads_softmax(x):
-        return torch.softmax(x, dim=-1)
-    width = x.size(-1)
-    return torch.softmax(F.pad(x, (0, SOFTMAX_WIDTH - width), value=NEG_INF), dim=-1)[..., :width]
-
-
-def softmax_rows_backward(grad: Tensor, weights: Tensor) -> Tensor:
-    """The gradient of the scores from that of softmax_rows' weights: w * (g - sum(g * w)) per row,
-    with short rows padded by zeros in g and w, which add nothing to the sum."""
-    if not _pads_softmax(weights):
-        return softmax_backward(grad, weights)
-    width, pad = weights.size(-1), (0, SOFTMAX_WIDTH - weights.size(-1))
-    return softmax_backward(F.pad(grad, pad), F.pad(weights, pad))[..., :width]
 
 
 def softmax_backward(grad: Tensor, weights: Tensor) -> Tensor:
