@@ -111,3 +111,16 @@ def nan_losses(monkeypatch):
         monkeypatch.setattr(trainer, "forward_backward", forward_backward)
 
     return arm
+
+
+def pytest_collection_modifyitems(config, items):
+    """With MTRAIN_CPU_FAST=0 the suite runs the paper's model on PyTorch's ops alone; the tests of
+    the fast paths themselves then have nothing to test and skip."""
+    from mtrain import cpu
+
+    if cpu.fast():
+        return
+    skip = pytest.mark.skip(reason=f"tests a CPU fast path, which {cpu.FAST_ENV}=0 turns off")
+    for item in items:
+        if "fast_paths" in item.keywords:
+            item.add_marker(skip)

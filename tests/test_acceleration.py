@@ -41,6 +41,7 @@ def step(model: torch.nn.Module, bf16: bool = False) -> tuple[torch.Tensor, list
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
+@pytest.mark.fast_paths
 def test_accelerate_changes_classes_not_parameters():
     torch.manual_seed(0)
     model = Transformer(CFG)
@@ -95,6 +96,7 @@ def test_with_the_switch_off_decoding_gives_the_same_searches(monkeypatch):
     torch.testing.assert_close(scores_off, scores_on, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.fast_paths
 def test_acceleration_record_names_every_fast_path(monkeypatch):
     cpu.prepare()
     record = cpu.acceleration()

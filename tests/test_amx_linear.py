@@ -106,6 +106,7 @@ def test_a_decoding_layer_given_the_wrong_input_fails_as_onednn_does():
         float32_weight(torch.randn(4, 64).bfloat16())
 
 
+@pytest.mark.fast_paths
 def test_amx_takes_only_what_the_kernel_is_built_for(monkeypatch):
     monkeypatch.setattr(native, "amx_ready", lambda: True)
     x = torch.zeros(4, 64, dtype=torch.bfloat16)

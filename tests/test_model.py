@@ -352,6 +352,7 @@ def test_runs_under_bf16_autocast_with_float32_parameters():
     assert (low.float() - full).abs().max().item() < 0.25  # bf16 keeps ~3 significant digits
 
 
+@pytest.mark.fast_paths
 def test_bf16_queries_over_float32_keys_attend_in_float32_on_cpu():
     """A bfloat16 decoding copy's cache keeps keys and values in float32: attend upcasts q to
     PyTorch's float32 kernel (autocast must not cast it back) and rounds the result once to bfloat16,
@@ -402,6 +403,7 @@ def _plain(call):
             os.environ["MTRAIN_CPU_FAST"] = before
 
 
+@pytest.mark.fast_paths
 @pytest.mark.parametrize("masking", ["none", "padding", "all keys"])
 def test_every_attention_path_keeps_one_mask_rule(masking):
     """One rule for every path (mtrain.attention): True = may attend, broadcast over heads and
@@ -554,6 +556,7 @@ def test_bf16_attention_dropout_drops_weights_in_training_only():
     assert torch.allclose(attend(q, k, ones, None, 0.0)[..., 0].float(), torch.ones(64, 4, 9), atol=1e-2)
 
 
+@pytest.mark.fast_paths
 def test_bf16_cpu_dropout_scales_each_element_in_float32():
     """bf16 has no exact 1/0.9: kept elements are round_bf16(x * 32768/29491) (p rounded to
     3277/2^15), dropped ones 0, and the gradient is 0 exactly where the output was dropped."""
@@ -569,6 +572,7 @@ def test_bf16_cpu_dropout_scales_each_element_in_float32():
     assert torch.equal(x.grad == 0, ~kept)
 
 
+@pytest.mark.fast_paths
 def test_cpu_dropout_drops_p_of_every_position_and_keeps_the_mean():
     torch.manual_seed(0)
     x = torch.ones(400_000, requires_grad=True)

@@ -146,6 +146,7 @@ def test_float32_models_keep_the_float32_layout():
     assert cache.layers[0].self_k.dtype == torch.float32
 
 
+@pytest.mark.fast_paths
 def test_switched_off_and_without_a_compiler_nothing_is_built(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     try:
@@ -161,6 +162,7 @@ def test_switched_off_and_without_a_compiler_nothing_is_built(monkeypatch, tmp_p
         native.library.cache_clear()
 
 
+@pytest.mark.fast_paths
 def test_a_failed_build_leaves_nothing_behind(monkeypatch, tmp_path):
     """A compiler that fails: the reason in one line, no library file, decoding unaffected."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -200,6 +202,7 @@ def test_library_name_follows_source_flags_compiler_cpu_and_openmp_runtime(tmp_p
     assert other != native.library_path(tmp_path, "gcc", gomp)
 
 
+@pytest.mark.fast_paths
 def test_a_cpu_nobody_can_describe_builds_nothing(monkeypatch, tmp_path):
     from mtrain.cpu import build
 

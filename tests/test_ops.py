@@ -320,6 +320,7 @@ def test_masks_follow_torchs_generator_and_every_lane_bit_is_fair(monkeypatch):
     assert ((bits.double().mean(0) - 0.5).abs() < 6 * 0.5 / (1 << 18) ** 0.5).all()
 
 
+@pytest.mark.fast_paths
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dropout_mask_is_the_15_bit_rule_without_bool_tensors(dtype):
     """The same draw as the bool version of the rule (keep when the 15-bit uniform is at least
@@ -352,6 +353,7 @@ def test_keep_bits_compares_every_lane_on_its_own(dtype, p):
     assert scale == 32768 / (32768 - round(p * 32768))
 
 
+@pytest.mark.fast_paths
 @pytest.mark.parametrize("in_scale", [1.0, 1.25])
 def test_dropout_linear_is_dropout_of_the_layer(in_scale):
     """dropout_linear(layer, x, p, in_scale) = dropout(layer(x * in_scale)) with the same draw: the
@@ -386,6 +388,7 @@ def test_dropout_linear_in_evaluation_is_the_layer():
     assert torch.equal(dropout_linear(layer, x, 0.0, True), layer(x))
 
 
+@pytest.mark.fast_paths
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_relu_dropout_clears_dropped_and_negative_elements_unscaled(dtype):
     """relu_dropout gives max(0, h) where kept and 0 where dropped, unscaled, with the scale for
@@ -405,6 +408,7 @@ def test_relu_dropout_clears_dropped_and_negative_elements_unscaled(dtype):
     assert torch.equal(evaluated, torch.relu(h)) and scale == 1.0
 
 
+@pytest.mark.fast_paths
 def test_feed_forward_in_training_is_relu_dropout_linear_dropout():
     """The FFN's training path (ReLU and dropout in one, both scales in W2) equals the module
     sequence ReLU, Dropout, Linear, then the residual dropout, with the same two draws."""

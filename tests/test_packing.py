@@ -114,6 +114,7 @@ def test_packed_step_equals_the_padded_step(monkeypatch, multiple):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.fast_paths
 @pytest.mark.parametrize("precision", ["float64", "bfloat16 autocast"])
 def test_packed_attention_goes_from_rows_to_heads_without_a_grid(monkeypatch, precision):
     """In a packed step every attention gathers its Q, K and V from the rows straight into the
@@ -138,6 +139,7 @@ def test_packed_attention_goes_from_rows_to_heads_without_a_grid(monkeypatch, pr
     assert calls == {"to_heads": 2 + 2 * 3, "to_grid": 0}
 
 
+@pytest.mark.fast_paths
 def test_a_cpu_training_step_runs_its_layers_on_the_real_rows():
     objective, model = tiny_objective(dropout=0.1)
     src = padded([7, 3, 1, 5], 7, seed=7)  # 16 real of 28 cells
@@ -155,6 +157,7 @@ def test_a_cpu_training_step_runs_its_layers_on_the_real_rows():
     assert seen == [(128, 32), (128, 32)]  # 104 real target rows rounded up to 128
 
 
+@pytest.mark.fast_paths
 def test_a_bfloat16_autocast_step_runs_packed_and_equals_the_padded_step_to_bfloat16_rounding(monkeypatch):
     """Under CPU bfloat16 autocast the layers see the real rows too, and attention takes them
     straight to its heads. Each real position's arithmetic is the padded step's, in the same
@@ -195,6 +198,7 @@ def fit(bf16: bool, steps: int = 40) -> list[float]:
     return losses
 
 
+@pytest.mark.fast_paths
 def test_a_bfloat16_autocast_packed_step_learns_as_the_float32_step_does(monkeypatch):
     """Under CPU bfloat16 autocast, with attention from the rows to the heads, Adam steps on one
     batch fit it as float32 steps do: the loss falls to a fifth of where it started (label
@@ -242,6 +246,7 @@ def test_the_packing_benchmark_compares_attention_from_the_rows_with_the_grid():
     assert result["heads_speedup_median"] > 0
 
 
+@pytest.mark.fast_paths
 def test_the_attention_layout_benchmark_profiles_both_paths():
     """attention_layout.py end to end at its smallest: both paths timed, and each one's profile
     names its matmuls and its layout ops."""

@@ -127,6 +127,7 @@ def test_bfloat16_logits_stay_close_to_float32():
     assert (got.float() - reference).abs().max() <= 0.05 * reference.abs().max()
 
 
+@pytest.mark.fast_paths
 @pytest.mark.skipif(not quantize.onednn_linear_runs(torch.bfloat16), reason="this PyTorch has no oneDNN linear")
 def test_a_bfloat16_copy_runs_its_linear_layers_through_onednn_with_the_relu_fused():
     """Every linear layer of the bfloat16 copy is a OneDNNLinear on the same parameters (the output
