@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from mtrain.cpu import native
+from mtrain import splitmix
 from mtrain.cpu.ops import NEG_INF, argmax_rows, logsumexp_, topk_rows
 from mtrain.cpu.quantize import weights_dtype
 from mtrain.tokenizer import BOS_ID, EOS_ID, PAD_ID
@@ -412,25 +413,15 @@ def stream_key(seed: int, line: int, sample: int) -> int:
     """The 64-bit id of one sample's random stream: SplitMix64's finalizer over (seed, line, sample)."""
     key = 0
     for part in (seed, line, sample):
-        key = _mix64((key ^ part) + 0x9E3779B97F4A7C15)
+        key = splitmix.mix_int((key ^ part) + splitmix.GAMMA)
     return key
-
-
-def _mix64(z: int) -> int:
-    z &= 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return z ^ (z >> 31)
 
 
 def uniforms(keys: Tensor, t: int) -> Tensor:
     """(N,) float64 uniforms on [0, 1), a pure function of (key, t): SplitMix64 (Steele et al. 2014)
     of the key advanced by t + 1 golden-ratio increments, top 53 bits."""
     with np.errstate(over="ignore"):  # uint64 arithmetic wraps modulo 2^64, as SplitMix64 wants
-        z = keys.cpu().numpy().view(np.uint64) + np.uint64((t + 1) * 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
+        z = splitmix.mix(keys.cpu().numpy().view(np.uint64) + np.uint64((t + 1) * splitmix.GAMMA & splitmix.MASK))
     return torch.from_numpy((z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53).to(keys.device)
 
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mtrain import splitmix
 from mtrain.cpu import fast, native
 
 NEG_INF = float("-inf")
@@ -119,28 +121,10 @@ def cpu_keep_lanes(seed: int, n: int, threshold: int, width: int) -> Tensor:
         return lanes.bitwise_and(0x7FFF).ge_(threshold).to(torch.int16).neg_()
 
 
-# splitmix64 (Steele, Lea and Flood 2014, with Stafford's mixing constants): word j is the mix of the
-# counter seed + (j + 1) * GAMMA. Counter-based, so a mask's words need no state but its seed.
-_GAMMA, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-
-
 def splitmix_words(seed: int, n: int) -> Tensor:
-    """Words 0..n-1 of the splitmix64 sequence from `seed`, as int64 (the bits of the uint64 values),
-    by PyTorch's integer ops, which wrap as the C kernel's uint64 arithmetic does."""
-    z = torch.arange(1, n + 1, dtype=torch.int64).mul_(_as_int64(_GAMMA)).add_(_as_int64(seed % 2**64))
-    for shift, multiplier in ((30, _MIX1), (27, _MIX2)):
-        z = z.bitwise_xor_(_shifted_right(z, shift)).mul_(_as_int64(multiplier))
-    return z.bitwise_xor_(_shifted_right(z, 31))
-
-
-def _as_int64(value: int) -> int:
-    """A uint64 value as the int64 with the same bits."""
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def _shifted_right(z: Tensor, shift: int) -> Tensor:
-    """z >> shift on the bits of uint64 values held as int64 (a logical shift)."""
-    return z.bitwise_right_shift(shift).bitwise_and_((1 << (64 - shift)) - 1)
+    """Words 0..n-1 of the SplitMix64 sequence from `seed` (mtrain.splitmix), as int64 (the bits of
+    the uint64 values): the words the C kernel draws."""
+    return torch.from_numpy(splitmix.words(seed, n).view(np.int64))
 
 
 def _in_lanes(value: int) -> int:
