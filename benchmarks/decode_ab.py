@@ -36,7 +36,7 @@ if __name__ == "__main__":  # before torch runs anything, as the CLI does
 
 import torch  # noqa: E402
 
-import mtrain.cache as cache_module  # noqa: E402
+import mtrain.cpu.cache as cache_module  # noqa: E402
 import mtrain.cpu.quantize as quantize_module  # noqa: E402
 import mtrain.search as search_module  # noqa: E402
 from mtrain.cpu import native, switches  # noqa: E402

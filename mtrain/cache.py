@@ -10,21 +10,17 @@ rewrites a small table instead of copying every layer's K/V. The attention modul
 layout: they hand their queries, keys and values to the layer cache and attend with what it
 returns, or take the cache's own attention (`LayerCache.attention`) where it has one.
 
-For a bfloat16 model on a CPU where mtrain.cpu.native loads, every layer keeps its keys and values
-in bfloat16, as that kernel reads them, and attends with it (LayerCache.attention); elsewhere they
-are kept in stored_dtype and the modules attend with PyTorch.
+Keys and values are kept as they come, and the modules attend with mtrain.attention. A model's
+`cache_layers` names the layer caches its caches are made of: a CPU decoding copy takes
+mtrain.cpu.cache's, which keep them as the CPU attends fastest.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
-
-from mtrain.attention import attend
-from mtrain.cpu import native
-from mtrain.cpu.ops import on_fast_cpu
 
 
 class LayerCache:
@@ -43,9 +39,6 @@ class LayerCache:
         # A row reorder of self_k/self_v not applied yet: the next append applies it while it
         # copies into a new buffer (rows only change when search drops finished sentences).
         self.order: Tensor | None = None
-        # Whether keys and values are kept in bfloat16 for mtrain.cpu.native (decided by the first
-        # keys stored).
-        self.native: bool | None = None
 
     def fold(self, x: Tensor) -> Tensor:
         """(B, H, t, d_head) per-row heads -> the layout attention runs in (here: unchanged)."""
@@ -75,26 +68,20 @@ class LayerCache:
         return self.self_k[:, :, :end], self.self_v[:, :, :end]
 
     def kept_dtype(self, k: Tensor) -> torch.dtype:
-        """The dtype keys and values like k are kept in: the model's bfloat16 where mtrain.cpu.native
-        attends over them (`native`, decided by the first keys stored), else stored_dtype."""
-        if self.native is None:
-            self.native = native.wanted(k)
-        return k.dtype if self.native else stored_dtype(k)
+        """The dtype keys and values like k are kept in: theirs."""
+        return k.dtype
+
+    def inherit(self, old: LayerCache) -> None:
+        """Take what `old` (the plain cache of beam search's first step) decided about its keys."""
 
     def capacity(self) -> int:
         """The positions the self-attention buffers hold."""
         return self.self_v.size(2)
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor | None:
-        """For keys kept for mtrain.cpu.native, the attention of q over the keys k and values v this
-        cache returned: by that kernel, or where it declines (more than 8 queries a row, a causal
-        prefix) by mtrain.attention.attend. None otherwise: the caller attends."""
-        if not self.native:
-            return None
-        y = None if is_causal else native.attend(q, k, v, mask)
-        if y is None:
-            y = attend(q, k, v, mask, 0.0, is_causal)
-        return y
+        """The cache's own attention of q over the keys k and values v it returned, or None: the
+        caller attends (mtrain.attention)."""
+        return None
 
     def cross_attention(self, q: Tensor, memory: Tensor,
                         memory_kv: Callable[[Tensor], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
@@ -141,19 +128,10 @@ class BeamLayerCache(LayerCache):
                 setattr(self, name, getattr(self, name).index_select(0, source))
 
 
-def stored_dtype(x: Tensor) -> torch.dtype:
-    """The dtype keys and values are kept in: float32 for bfloat16 on a CPU, where attention runs
-    in float32 anyway (mtrain.attention.attend), so each key is upcast once, when it is stored, rather
-    than at every later step that reads it (in a bfloat16 beam-5 profile those upcasts were a
-    quarter of the time); the dtype they come in elsewhere. Where mtrain.cpu.native loads, the
-    cache keeps bfloat16 keys for its kernel instead (LayerCache.kept_dtype)."""
-    return torch.float32 if on_fast_cpu(x) and x.dtype == torch.bfloat16 else x.dtype
-
-
-def stored(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """x in stored_dtype (or dtype), contiguous: the cross-attention K/V come as views of one fused
-    projection, which every step's matmul would otherwise copy."""
-    return x.to(dtype=dtype or stored_dtype(x), memory_format=torch.contiguous_format)
+def stored(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """x in dtype, contiguous: the cross-attention K/V come as views of one fused projection, which
+    every step's matmul would otherwise copy."""
+    return x.to(dtype=dtype, memory_format=torch.contiguous_format)
 
 
 def _regrow(old: Tensor | None, like: Tensor, capacity: int, filled: int, order: Tensor | None,
@@ -170,13 +148,21 @@ def _regrow(old: Tensor | None, like: Tensor, capacity: int, filled: int, order:
     return out
 
 
+class CacheLayers(NamedTuple):
+    """The layer caches a model's caches are made of, one per layout."""
+
+    plain: type[LayerCache]
+    beam: type[BeamLayerCache]
+
+
 class KVCache:
     """The plain layout: one target row per source row; `length` = target tokens seen."""
 
     group = 1
 
-    def __init__(self, n_layers: int) -> None:
-        self.layers: list[LayerCache] = [LayerCache() for _ in range(n_layers)]
+    def __init__(self, n_layers: int, kinds: CacheLayers | None = None) -> None:
+        self.kinds = kinds or PLAIN
+        self.layers: list[LayerCache] = [self.kinds.plain() for _ in range(n_layers)]
         self.length = 0
         self.reserved = 0
         self.src_mask: Tensor | None = None  # (B, 1, 1, S) key mask, fixed on the first call
@@ -220,12 +206,12 @@ class KVCache:
             raise ValueError(f"expand_beams needs a plain cache after one step, got length={self.length}")
         if group == 1:  # one beam per source is the plain layout
             return self
-        out = BeamCache(len(self.layers), group)
+        out = BeamCache(len(self.layers), group, self.kinds)
         out.reserve(self.reserved)
         out.src_mask = self.src_mask
         for old, new in zip(self.layers, out.layers):
             new.cross_k, new.cross_v = old.cross_k, old.cross_v
-            new.native = old.native
+            new.inherit(old)
             # step 0's (sources, H, 1, d_head) keys and values, broadcast to the slots of all G beams
             new.append(old.self_k[:, :, :1].expand(-1, -1, group, -1), old.self_v[:, :, :1].expand(-1, -1, group, -1))
         out.record_step(old.self_v.shape[0] * group, old.self_v.device)  # each beam its own step-0 ancestor
@@ -237,10 +223,10 @@ class BeamCache(KVCache):
     """The beam layout (module docstring): target row r belongs to source row r // group, and
     decode is given memory/src with one row per source."""
 
-    def __init__(self, n_layers: int, group: int) -> None:
-        super().__init__(0)
+    def __init__(self, n_layers: int, group: int, kinds: CacheLayers | None = None) -> None:
+        super().__init__(0, kinds)
         self.group = group
-        self.layers: list[BeamLayerCache] = [BeamLayerCache(group) for _ in range(n_layers)]
+        self.layers: list[BeamLayerCache] = [self.kinds.beam(group) for _ in range(n_layers)]
         # ancestry[r, s] = the beam (0..G-1) within its source of row r's ancestor at step s
         self.ancestry: Tensor | None = None
 
@@ -274,3 +260,6 @@ class BeamCache(KVCache):
 
     def expand_beams(self, group: int) -> KVCache:
         raise ValueError(f"expand_beams needs a plain cache after one step, got group={self.group}")
+
+
+PLAIN = CacheLayers(LayerCache, BeamLayerCache)

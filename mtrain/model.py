@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from mtrain.attention import attend
-from mtrain.cache import BeamCache, KVCache, LayerCache
+from mtrain.cache import PLAIN, BeamCache, CacheLayers, KVCache, LayerCache
 from mtrain.config import ModelConfig
 from mtrain.errors import MtrainError
 
@@ -193,10 +193,14 @@ class Transformer(nn.Module):
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=d ** -0.5)
 
+    # The layer caches decoding caches are made of (mtrain.cache); a CPU decoding copy sets its own.
+    cache_layers: CacheLayers = PLAIN
+
     def new_cache(self, group: int = 1) -> KVCache:
         """An empty decoding cache; group > 1: beam search with `group` target rows per source
         row (mtrain.cache.BeamCache)."""
-        return KVCache(len(self.decoder)) if group == 1 else BeamCache(len(self.decoder), group)
+        n = len(self.decoder)
+        return KVCache(n, self.cache_layers) if group == 1 else BeamCache(n, group, self.cache_layers)
 
     def embed(self, ids: Tensor, table: nn.Embedding, start: int = 0) -> Tensor:
         """Token embedding * sqrt(d_model) + sinusoid of positions start.., then dropout."""

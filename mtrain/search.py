@@ -22,7 +22,6 @@ from torch import Tensor
 from mtrain.cpu import native
 from mtrain import splitmix
 from mtrain.cpu.ops import NEG_INF, argmax_rows, logsumexp_, topk_rows
-from mtrain.cpu.quantize import weights_dtype
 from mtrain.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
@@ -533,3 +532,10 @@ def _results(fin_scores: Tensor, fin_tokens: Tensor, nbest: int) -> list[list[tu
     scores, tokens = fin_scores[:, :nbest].tolist(), fin_tokens[:, :nbest].tolist()
     return [[(_until_eos(ids) if score > NEG_INF else [], score) for ids, score in zip(row_ids, row_scores)]
             for row_ids, row_scores in zip(tokens, scores)]
+
+
+def weights_dtype(model) -> torch.dtype | None:
+    """The dtype of a model's (an ensemble's first member's) weights; None for an exported engine."""
+    member = (getattr(model, "models", None) or [model])[0]
+    embed = getattr(member, "tgt_embed", None)
+    return None if embed is None else embed.weight.dtype

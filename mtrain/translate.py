@@ -25,9 +25,10 @@ from mtrain.config import DecodeConfig, config_from_dict
 from mtrain.data import make_batches
 from mtrain.errors import MtrainError
 from mtrain.hardware import decode_autocast, resolve_amp, resolve_device
-from mtrain.cpu.quantize import bfloat16_weights, check_quantize, quantize_int8, weights_dtype
-from mtrain.search import Decoder, Sampling, beam_search, greedy_search, sample, stream_key
+from mtrain.cpu.quantize import bfloat16_weights, check_quantize, quantize_int8
+from mtrain.search import Decoder, Sampling, beam_search, greedy_search, sample, stream_key, weights_dtype
 from mtrain.tokenizer import EOS_ID, PAD_ID, Side, Tokenizer
+from mtrain.cpu import cache as cpu_cache
 from mtrain.cpu.workers import DecodingPool
 
 CHUNK_LINES = 2000  # lines read, translated and written at a time: memory stays bounded on big inputs
@@ -165,7 +166,8 @@ def load_outline(paths: str | Path | list[str | Path], device: torch.device, dec
 def decoding_model(model: nn.Module, decode: DecodeConfig, device: torch.device,
                    keep_original: bool = False) -> nn.Module:
     """`model` in the precision decode.quantize and decode.amp ask for: int8 linear layers, bfloat16
-    weights where that resolves to bfloat16, float32 otherwise. Changed in place, or with
+    weights where that resolves to bfloat16, float32 otherwise; on a CPU, with the CPU's decoding
+    caches (mtrain.cpu.cache). Changed in place, or with
     keep_original in a copy when it needs a change (validation goes on training its model)."""
     int8 = decode.quantize == "int8"
     bfloat16 = resolve_amp(decode.amp, device, key="decode.amp") == torch.bfloat16
@@ -175,7 +177,7 @@ def decoding_model(model: nn.Module, decode: DecodeConfig, device: torch.device,
         model = quantize_int8(model)
     if bfloat16:
         model = bfloat16_weights(model)
-    return model
+    return cpu_cache.for_decoding(model)
 
 
 @dataclasses.dataclass

@@ -134,16 +134,43 @@ def test_searches_agree_with_and_without_the_kernel(bf16_model, monkeypatch):
     assert sum(a[0][0] == b[0][0] for a, b in zip(with_kernel[1], without[1])) >= 11
 
 
-def test_float32_models_keep_the_float32_layout():
+@pytest.mark.parametrize("for_decoding", [False, True])
+def test_float32_models_keep_the_float32_layout(for_decoding):
+    """A float32 model's caches keep float32 keys, with the plain layer caches and with the CPU's."""
+    from mtrain.cpu import cache as cpu_cache
+
     torch.manual_seed(0)
     model = Transformer(ModelConfig(d_model=32, d_ff=64, n_heads=2, n_encoder_layers=1, n_decoder_layers=1,
                                     vocab_size=20, dropout=0.0)).eval()
+    if for_decoding:
+        model = cpu_cache.for_decoding(model)
     src = torch.randint(4, 20, (2, 5))
     cache = model.new_cache()
     with torch.inference_mode():
         model.decode(torch.full((2, 1), 1), model.encode(src), src, cache)
-    assert cache.layers[0].native is False and cache.layers[0].self_k.size(2) >= 1
+    assert not getattr(cache.layers[0], "native", False) and cache.layers[0].self_k.size(2) >= 1
     assert cache.layers[0].self_k.dtype == torch.float32
+
+
+def test_the_papers_cache_keeps_keys_as_they_come_and_the_cpus_upcasts_bfloat16_without_the_kernel(monkeypatch):
+    """mtrain.cache keeps a bfloat16 model's keys in bfloat16; the CPU decoding caches keep them
+    bfloat16 for the kernel, or float32 where it does not load (attention runs in float32 there)."""
+    from mtrain.cpu import cache as cpu_cache
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=64, d_ff=128, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, vocab_size=20, dropout=0.0)
+    plain = Transformer(cfg).eval().to(torch.bfloat16)
+    src = torch.randint(4, 20, (2, 5))
+
+    def first_keys(model):
+        cache = model.new_cache()
+        with torch.inference_mode():
+            model.decode(torch.full((2, 1), 1), model.encode(src), src, cache)
+        return cache.layers[0].self_k.dtype
+
+    assert first_keys(plain) == torch.bfloat16
+    monkeypatch.setattr(native, "wanted", lambda x: False)
+    assert first_keys(cpu_cache.for_decoding(plain)) == torch.float32
 
 
 @pytest.mark.fast_paths
@@ -334,10 +361,10 @@ def test_bfloat16_cache_holds_every_key_and_value_through_regrowths_and_reorders
     """Appends of 1-8 positions at a time, with regrowths and row reorders between them: after each
     the views the cache returns hold exactly the keys and values so far, in bfloat16, and the
     kernel over them equals attention in float64."""
-    from mtrain.cache import LayerCache
+    from mtrain.cpu.cache import CPULayerCache
 
     gen = torch.Generator().manual_seed(3)
-    layer = LayerCache()
+    layer = CPULayerCache()
     seen_k = seen_v = torch.empty(4, 2, 0, 32, dtype=torch.bfloat16)
     for step in range(40):
         t = int(torch.randint(1, 9, (1,), generator=gen))

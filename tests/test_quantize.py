@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from mtrain.cpu import quantize
+from mtrain.search import weights_dtype
 from mtrain.config import DecodeConfig, ModelConfig, load_config
 from mtrain.ensemble import Ensemble
 from mtrain.errors import MtrainError
@@ -109,10 +110,10 @@ def test_bfloat16_weights_cast_every_weight_but_the_sinusoids():
     (each position's embedding is rounded once), each member of an ensemble alike."""
     bf16 = quantize.bfloat16_weights(model())
     assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
-    assert bf16.pe.dtype == torch.float32 and quantize.weights_dtype(bf16) == torch.bfloat16
+    assert bf16.pe.dtype == torch.float32 and weights_dtype(bf16) == torch.bfloat16
     pair = quantize.bfloat16_weights(Ensemble([model(1), model(2)]))
-    assert [quantize.weights_dtype(member) for member in pair.models] == [torch.bfloat16] * 2
-    assert quantize.weights_dtype(model()) == torch.float32
+    assert [weights_dtype(member) for member in pair.models] == [torch.bfloat16] * 2
+    assert weights_dtype(model()) == torch.float32
 
 
 @torch.inference_mode()

@@ -16,7 +16,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: floa
     way. In bfloat16 PyTorch's CPU attention kernels run ~6x slower than in float32 (forward +
     backward, measured at Multi30k shapes), so bfloat16 q, k and v take another way: with
     bfloat16 keys (training under autocast, a decoding copy without a cache) bfloat16_attention;
-    with float32 keys (a decoding cache keeps them float32, mtrain.cache) PyTorch's float32 kernel
+    with float32 keys (a CPU decoding cache keeps them float32 where the C kernel does not load,
+    mtrain.cpu.cache) PyTorch's float32 kernel
     on an upcast q. The result has q's dtype, as autocast would cast it for the next projection
     (and a bfloat16 decoding copy needs). Other dtypes keep PyTorch's kernel (a packed training
     step's attention takes ops.heads_attention before it gets here, mtrain.cpu.model)."""

@@ -21,6 +21,7 @@ import warnings
 import torch
 from torch import nn
 
+from mtrain.cpu import cache as cpu_cache
 from mtrain.cpu import native, switches
 from mtrain.errors import MtrainError
 from mtrain.hardware import cpu_has_vnni
@@ -117,7 +118,7 @@ def bfloat16_weights(model):
     # oneDNN's bfloat16 kernels refuse CPUs without AVX-512 (or AVX-NE-CONVERT): nn.Linear's own path stays there
     if on_fast_cpu(model.pe) and onednn_linear_runs(torch.bfloat16):
         _onednn_linears(model)
-    return model
+    return cpu_cache.for_decoding(model)
 
 
 class OneDNNLinear(nn.Linear):
@@ -207,10 +208,3 @@ def _onednn_linears(model: nn.Module) -> None:
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = OneDNNLinear
-
-
-def weights_dtype(model) -> torch.dtype | None:
-    """The dtype of a model's (an ensemble's first member's) weights; None for an exported engine."""
-    member = (getattr(model, "models", None) or [model])[0]
-    embed = getattr(member, "tgt_embed", None)
-    return None if embed is None else embed.weight.dtype
