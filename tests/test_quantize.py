@@ -62,6 +62,29 @@ def test_int8_logits_stay_close_to_float32(monkeypatch, full_range):
     assert error < 0.05, f"relative error {error:.3f}"
 
 
+def test_where_the_full_range_layers_private_op_changes_int8_keeps_pytorchs_layer(monkeypatch):
+    """FullRangeLinear calls torch.ops.quantized.linear_dynamic on a private attribute: a PyTorch
+    where that fails keeps PyTorch's own dynamic layer, and int8 decoding still runs."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
+
+    def changed(*args, **kwargs):
+        raise RuntimeError("quantized::linear_dynamic: unknown argument")
+
+    monkeypatch.setattr(torch.ops.quantized, "linear_dynamic", changed)
+    quantize._full_range_runs.cache_clear()
+    try:
+        assert not quantize._full_range_runs() and not quantize._full_range()
+        int8_model = quantize_int8(model())
+        layers = [m for m in int8_model.modules() if isinstance(m, DynamicInt8Linear)]
+        assert layers and all(type(m) is DynamicInt8Linear for m in layers)
+    finally:
+        quantize._full_range_runs.cache_clear()
+    monkeypatch.undo()
+    src = torch.randint(4, CFG.vocab_size, (2, 5))
+    with torch.inference_mode():
+        assert int8_model(src, src).isfinite().all()
+
+
 def test_an_ensemble_quantizes_each_member():
     ensemble = quantize_int8(Ensemble([model(0), model(1)]))
     assert all(linears(member) == [] for member in ensemble.models)

@@ -74,7 +74,29 @@ def _full_range() -> bool:
     """Whether activations may use all 8 bits. PyTorch quantizes them to 7 (reduce_range) because
     AVX2's u8 x s8 multiply-add saturates a 16-bit sum of two products; VNNI's adds into 32 bits,
     so on CPUs with it the eighth bit is free precision."""
-    return cpu_has_vnni()
+    return cpu_has_vnni() and _full_range_runs()
+
+
+@functools.cache
+def _full_range_runs() -> bool:
+    """Whether the full-range layer works in this PyTorch: it calls torch.ops.quantized.linear_dynamic
+    on the layer's private _packed_params, so it is tried once on a small layer against float32;
+    where either is missing or changed, int8 decoding keeps PyTorch's own dynamic layer (7-bit
+    activations, a little less precise, the same speed)."""
+    generator = torch.Generator().manual_seed(0)
+    layer = nn.Sequential(nn.Linear(32, 16))
+    x = torch.randn(4, 32, generator=generator)
+    try:
+        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+        with _quiet(), torch.no_grad():
+            want = layer(x)
+            quantize_dynamic(layer, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True,
+                             mapping={nn.Linear: _full_range_linear()})
+            got = layer(x)
+    except (AttributeError, ImportError, RuntimeError, TypeError):
+        return False
+    return got.shape == want.shape and bool(torch.allclose(got, want, atol=0.1, rtol=0.1))
 
 
 @functools.cache
