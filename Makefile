@@ -12,7 +12,7 @@ test:  ## the fast test suite (slow tests are deselected by pyproject.toml)
 test-slow:  ## only the slow tests
 	$(PYTHON) -m pytest -q -m slow
 
-quickstart:  ## the README main job: Multi30k de->en, tokenize -> train -> translate -> eval (1 min 44 s on an idle 2-core AMD EPYC Zen 4 in bfloat16, venv set up)
+quickstart:  ## the README main job: Multi30k de->en, tokenize -> train -> translate -> eval (about 2 min on a 2-core AMD EPYC Zen 4 in bfloat16, venv set up)
 	bash scripts/quickstart.sh
 
 bench:  ## every benchmark in quick mode (under 10 minutes); writes benchmarks/results/*.json

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job, end to end on a fresh machine: set up a venv, then tokenize -> train ->
-# translate -> eval on Multi30k de->en with a small model (1 min 44 s on an idle 2-core AMD EPYC Zen 4 once the venv is set up).
+# translate -> eval on Multi30k de->en with a small model (about 2 min on a 2-core AMD EPYC Zen 4 once the venv is set up).
 # Data: data/multi30k/{train,valid,test2016}.{de,en} if present, else downloaded through
 # Hugging Face `datasets` (bentrevett/multi30k). Re-running resumes training where it stopped.
 set -euo pipefail
