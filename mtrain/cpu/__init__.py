@@ -8,8 +8,8 @@ dropout masks in distribution; tests/test_acceleration.py holds the two sides to
 | module | what it speeds up | off with |
 |---|---|---|
 | `model` | the training step's layers, subclasses of mtrain.model's that `accelerate(model)` swaps in: dropout folded into linear layers, the step on the rows of a batch without its padding (`packing`) | `MTRAIN_CPU_FAST=0` |
-| `attention` | attention's faster ways on a CPU, behind mtrain.attention.attend: bfloat16 matmuls around a float32 softmax, batched matmuls for short training sequences | `MTRAIN_CPU_FAST=0` |
-| `ops` | the pieces those use: dropout masks by bits, oneDNN linear layers with the bias and ReLU fused, short-row softmax; search's chunked top-k and argmax | `MTRAIN_CPU_FAST=0` |
+| `attention` | attention's faster ways on a CPU, behind mtrain.attention.attend: bfloat16 matmuls around a float32 softmax | `MTRAIN_CPU_FAST=0` |
+| `ops` | the pieces those use: dropout masks by bits, a packed step's attention by batched matmuls; search's chunked top-k and argmax | `MTRAIN_CPU_FAST=0` |
 | `cache` | a decoding copy's caches: bfloat16 keys for the C kernel, or float32 where it does not load (`decoding_model` and `bfloat16_weights` choose them) | `MTRAIN_CPU_FAST=0` |
 | `native` (+ `native.c`) | C kernels: dropout masks, the bfloat16 loss's sums and gradient, attention over a bfloat16 decoding cache, top-k with log-sum-exp, AMX linear layers | `MTRAIN_CPU_KERNELS=0` (or `MTRAIN_CPU_FAST=0`) |
 | `quantize` | decoding copies: int8 linear layers (`decode.quantize=int8`), bfloat16 weights through oneDNN (`decode.amp=bf16`) | the decode setting |

@@ -6,7 +6,7 @@ are, so a checkpoint does not know the difference); MTRAIN_CPU_FAST=0 leaves the
 What they change, each measured in the docstring of the function it calls (mtrain.cpu.ops):
 - a sublayer's residual dropout and the FFN's hidden dropout are folded into the linear layer
   after them (dropout_linear, relu_dropout), with masks drawn from 15 random bits
-  (ops.Dropout, keep_mask);
+  (ops.Dropout, keep_bits);
 - the whole step runs on the rows of the batch's real positions, without its padding
   (mtrain.cpu.packing: target_states), and attention takes those rows straight to its heads
   (heads_attention) where that is faster.

@@ -7,7 +7,6 @@ it where torch is fast already."""
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 import torch
@@ -60,16 +59,10 @@ def keep_scale(p: float) -> float:
 
 
 def keep_bits(x: Tensor, p: float) -> tuple[Tensor, float]:
-    """keep_mask for a tensor like x."""
-    return keep_mask(x.shape, x.dtype, x.device, p)
-
-
-def keep_mask(shape: torch.Size, dtype: torch.dtype, device: torch.device, p: float) -> tuple[Tensor, float]:
-    """A mask of this shape that drops with probability p' = p rounded to a multiple of 2^-15
-    (0.1 -> 0.100006), as integers of dtype's width: all ones to keep, 0 to drop; and the scale
+    """A mask of x's shape that drops with probability p' = p rounded to a multiple of 2^-15
+    (0.1 -> 0.100006), as integers of x's element width: all ones to keep, 0 to drop; and the scale
     keep_scale(p) that makes the mean of the kept values exact. One 64-bit word (splitmix_words)
-    gives four 15-bit uniforms; an element is dropped when its uniform is below p' * 2^15. A mask
-    can be drawn before the tensor it clears exists (the output of a fused linear layer).
+    gives four 15-bit uniforms; an element is dropped when its uniform is below p' * 2^15.
 
     PyTorch's CPU kernels for bool tensors are not vectorised: turning a bool mask of 4M elements
     into bfloat16, or multiplying by it, took 5-9 ms against 1.3 ms for these integer ops (one
@@ -77,12 +70,12 @@ def keep_mask(shape: torch.Size, dtype: torch.dtype, device: torch.device, p: fl
     2-core AMX host a bfloat16 multiply over a step's cold activations took 1.6 ms where the
     integer AND took 0.6 (4M elements)."""
     threshold = round(p * 32768)
-    n = math.prod(shape)
-    width = dtype.itemsize
-    if torch.device(device).type == "cpu":
+    n = x.numel()
+    width = x.element_size()
+    if x.device.type == "cpu":
         keep = cpu_keep_lanes(_mask_seed(), n, threshold, width)
     else:
-        bits = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_()  # uniform on [0, 2^63)
+        bits = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device).random_()  # uniform on [0, 2^63)
         # The compare runs on whole 64-bit words, four 16-bit lanes at a time: each lane's low 15
         # bits u plus 2^15 - threshold stays below 2^16, so no lane carries into the next, and the
         # lane's top bit is set exactly when u >= threshold. An arithmetic shift spreads that bit
@@ -91,7 +84,7 @@ def keep_mask(shape: torch.Size, dtype: torch.dtype, device: torch.device, p: fl
         keep = lanes.bitwise_right_shift_(15)
     if keep.element_size() != width:
         keep = keep.to({2: torch.int16, 4: torch.int32, 8: torch.int64}[width])  # sign-extended: -1 stays all ones
-    return keep.view(shape), keep_scale(p)
+    return keep.view(x.shape), keep_scale(p)
 
 
 _LOW_15_BITS = 0x7FFF_7FFF_7FFF_7FFF  # of each 16-bit lane of an int64 word
@@ -104,7 +97,7 @@ def _mask_seed() -> int:
 
 
 def cpu_keep_lanes(seed: int, n: int, threshold: int, width: int) -> Tensor:
-    """keep_mask's n elements on a CPU, as int16 or (width 4) int32: element i is kept (-1) when the
+    """keep_bits' n elements on a CPU, as int16 or (width 4) int32: element i is kept (-1) when the
     low 15 bits of 16-bit lane i % 4 of splitmix_words(seed, .)[i // 4] are >= threshold, else 0.
     mtrain.cpu.native draws and compares them in one pass over the mask, where it is built; the same
     bits come from PyTorch's integer ops elsewhere, so a run's masks do not depend on the C compiler.
@@ -339,7 +332,7 @@ def _private_softmax_backward() -> bool:
 def _softmax_dtype(q: Tensor) -> torch.dtype:
     """The dtype attention's scores and softmax take: q's own in float32 and float64; float32 for
     bfloat16 q, k and v, whose matmuls run in bfloat16 around a float32 softmax, exactly as
-    mtrain.attention.bfloat16_attention does (and autograd's backward through it)."""
+    mtrain.cpu.attention.bfloat16_attention does (and autograd's backward through it)."""
     return torch.float32 if q.dtype == torch.bfloat16 else q.dtype
 
 
@@ -348,14 +341,6 @@ def logsumexp_(x: Tensor, peak: Tensor) -> Tensor:
     peak (N, 1) = the row maxima: subtracted first, so exp cannot overflow."""
     peak = peak.masked_fill(~peak.isfinite(), 0.0)  # a row of -inf: log 0 = -inf, not NaN
     return x.sub_(peak).exp_().sum(dim=1, keepdim=True).log_().add_(peak)
-
-
-# A row's log sum exp(x) taken without its maximum subtracted is exact up to rounding while every
-# term that matters is a normal float32: float32 exp overflows above 88.7 and leaves the normal range
-# below -87.3, and the terms that move a sum of e^-60 by float32's 2^-24 (over a vocabulary of 8000:
-# down to e^-86; of 32000: e^-87) are normal. So a row may be summed unshifted from a maximum (or a
-# log sum exp) of PLAIN_EXP_FLOOR up.
-PLAIN_EXP_FLOOR = -60.0
 
 
 def topk_rows(x: Tensor, k: int, chunk: int = 64) -> tuple[Tensor, Tensor]:
