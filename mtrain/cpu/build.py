@@ -161,7 +161,7 @@ def cpuinfo_fields(path: str = "/proc/cpuinfo") -> dict[str, str]:
     file is missing (not Linux)."""
     fields: dict[str, str] = {}
     try:
-        with open(path, encoding="utf-8") as handle:
+        with open(path, encoding="utf-8", errors="replace") as handle:
             for line in handle:
                 key, colon, value = line.partition(":")
                 if colon:

@@ -39,14 +39,7 @@ _amd = False  # whether enable() ran on a CPU the stub is for: then `note` repor
 
 def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
     """The first `vendor_id` in /proc/cpuinfo (GenuineIntel, AuthenticAMD, ...); None where unreadable."""
-    try:
-        with cpuinfo.open(encoding="utf-8", errors="replace") as lines:
-            for line in lines:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        return None
-    return None
+    return build.cpuinfo_fields(str(cpuinfo)).get("vendor_id")
 
 
 def switched_on(setting: str | None) -> bool:
