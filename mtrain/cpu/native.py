@@ -36,7 +36,8 @@ and two passes for the logsumexp; the kernel reads the bfloat16 row once (1575 x
 against 18.5).
 
 The file is built with -march=native (the library's name carries a hash of the source, the flags,
-the CPU's feature flags and the OpenMP runtime) and OpenMP, linked by path to the runtime torch runs
+the compiler's version, what -march=native means on this CPU and the OpenMP runtime; mtrain.cpu.build
+builds it once, under a lock) and OpenMP, linked by path to the runtime torch runs
 on (openmp_runtime: sentencepiece and CTranslate2 bundle libgomps of their own), and never with
 -ffast-math (which would set flush-to-zero for the whole process). Without a C compiler, where the
 build fails, or with MTRAIN_CPU_KERNELS=0, nothing is built and decoding and training run on

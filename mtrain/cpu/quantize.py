@@ -57,17 +57,23 @@ def quantize_int8(model: nn.Module) -> nn.Module:
             quantize_int8(member)
         return model
     try:
-        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+        return _dynamic_int8(model, {nn.Linear: _full_range_linear()} if _full_range() else None)
     except ImportError:
         raise MtrainError("decode.quantize=int8 needs torch.ao.quantization, which this PyTorch lacks; use "
                           "decode.quantize=off, or export to CTranslate2 with --quantization int8") from None
+
+
+def _dynamic_int8(module: nn.Module, mapping: dict | None) -> nn.Module:
+    """`module` (in place) with its nn.Linear layers dynamically quantized, per-channel weight
+    scales; mapping: the quantized class to use, None for PyTorch's own."""
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
     with _quiet():
         # PyTorch marks torch.ao.quantization for future removal in favour of torchao, whose int8 path
         # is no faster than float32 on a CPU without torch.compile; the warning says nothing to a user.
-        mapping = {nn.Linear: _full_range_linear()} if _full_range() else None
-        quantize_dynamic(model, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True,
+        quantize_dynamic(module, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True,
                          mapping=mapping)
-    return model
+    return module
 
 
 def _full_range() -> bool:
@@ -87,13 +93,9 @@ def _full_range_runs() -> bool:
     layer = nn.Sequential(nn.Linear(32, 16))
     x = torch.randn(4, 32, generator=generator)
     try:
-        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
-        with _quiet(), torch.no_grad():
+        with torch.no_grad():
             want = layer(x)
-            quantize_dynamic(layer, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True,
-                             mapping={nn.Linear: _full_range_linear()})
-            got = layer(x)
+            got = _dynamic_int8(layer, {nn.Linear: _full_range_linear()})(x)
     except (AttributeError, ImportError, RuntimeError, TypeError):
         return False
     return got.shape == want.shape and bool(torch.allclose(got, want, atol=0.1, rtol=0.1))
@@ -119,7 +121,6 @@ def _quiet():
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.simplefilter("ignore", UserWarning)
         yield
-
 
 
 def bfloat16_weights(model):
