@@ -205,10 +205,14 @@ class Transformer(nn.Module):
     def embed(self, ids: Tensor, table: nn.Embedding, start: int = 0) -> Tensor:
         """Token embedding * sqrt(d_model) + sinusoid of positions start.., then dropout."""
         end = start + ids.shape[1]
-        if end > self.pe.shape[0]:  # sinusoids extend to any length; grow the table when needed
-            self.pe = sinusoids(max(end, 2 * self.pe.shape[0]), self.cfg.d_model).to(self.pe.device)
+        self.cover_positions(end)
         # In the table's dtype: a bfloat16 decoding copy (mtrain.cpu.quantize) keeps float32 sinusoids.
         return self.embed_dropout((table(ids) * self.scale + self.pe[start:end]).to(table.weight.dtype))
+
+    def cover_positions(self, end: int) -> None:
+        """Grow the sinusoid table to hold positions 0..end-1 (sinusoids extend to any length)."""
+        if end > self.pe.shape[0]:
+            self.pe = sinusoids(max(end, 2 * self.pe.shape[0]), self.cfg.d_model).to(self.pe.device)
 
     def encode(self, src: Tensor) -> Tensor:
         """(B, S) source ids -> memory (B, S, d_model)."""

@@ -23,7 +23,7 @@ from mtrain.cpu import fast, switches
 from mtrain.cpu.ops import Dropout, dropout_linear, heads_attention, on_fast_cpu, relu_dropout
 from mtrain.cpu.packing import Packing
 from mtrain.model import (CrossAttention, DecoderLayer, EncoderLayer, FeedForward, SelfAttention, Transformer,
-                          causal_mask, key_mask, sinusoids, split_heads)
+                          causal_mask, key_mask, split_heads)
 
 
 class FastSelfAttention(SelfAttention):
@@ -131,8 +131,7 @@ class FastTransformer(Transformer):
         """Token embedding * sqrt(d_model) + sinusoid of positions start.., then dropout; with a
         packing, (N, d_model) for its rows."""
         end = start + ids.shape[1]
-        if end > self.pe.shape[0]:  # sinusoids extend to any length; grow the table when needed
-            self.pe = sinusoids(max(end, 2 * self.pe.shape[0]), self.cfg.d_model).to(self.pe.device)
+        self.cover_positions(end)
         if packing is None:
             ids, pe = ids, self.pe[start:end]
         else:
@@ -159,12 +158,7 @@ class FastTransformer(Transformer):
         are the rows of packing (Packing.of(tgt)), (N, d_model)."""
         t = tgt.shape[1]
         start = 0 if cache is None else cache.length
-        if cache is None:
-            src_mask = key_mask(src, self.cfg.pad_id)
-        else:
-            if cache.src_mask is None:
-                cache.src_mask = key_mask(src, self.cfg.pad_id)
-            src_mask = cache.src_mask
+        src_mask = self.source_mask(src, cache)
         self_mask, is_causal = causal_mask(start, t, tgt.device)
         if cache is not None:
             cache.begin(tgt)
