@@ -390,17 +390,12 @@ def _every_attention_path(q, k, v, mask):
 
 
 def _plain(call):
+    """call() with every CPU stand-in off (MTRAIN_CPU_FAST=0)."""
     import os
+    from unittest import mock
 
-    before = os.environ.get("MTRAIN_CPU_FAST")
-    os.environ["MTRAIN_CPU_FAST"] = "0"
-    try:
+    with mock.patch.dict(os.environ, {"MTRAIN_CPU_FAST": "0"}):
         return call()
-    finally:
-        if before is None:
-            del os.environ["MTRAIN_CPU_FAST"]
-        else:
-            os.environ["MTRAIN_CPU_FAST"] = before
 
 
 @pytest.mark.fast_paths
