@@ -262,18 +262,26 @@ def keep_mask(seed: int, n: int, threshold: int, width: int) -> Tensor | None:
     return None if failed else out
 
 
+def _logits_kernel(logits: Tensor, *per_row: tuple[Tensor, torch.dtype]) -> ctypes.CDLL | None:
+    """The library, where it loads and the loss's kernels take these tensors: (n, V) bfloat16 logits
+    on a CPU and, for each (tensor, dtype) given, one value per row."""
+    if not _bfloat16_rows(logits):  # before library(): other devices and dtypes never build it
+        return None
+    n = logits.size(0)
+    if not all(_per_row(x, n, dtype) for x, dtype in per_row):
+        return None
+    return library()
+
+
 def cross_entropy_sums(logits: Tensor, sums: Tensor, means: Tensor | None) -> bool:
     """For (n, V) bfloat16 logits on a CPU: each row's sum of exp (no maximum taken out) into the
     float32 (n,) `sums`, and its mean into `means` when given. False (nothing written) where the
     kernel is not loaded or the tensors do not fit it."""
-    if not _bfloat16_rows(logits):  # before library(): other devices and dtypes never build it
-        return False
-    n, V = logits.shape
-    if not _per_row(sums, n, torch.float32) or not (means is None or _per_row(means, n, torch.float32)):
-        return False
-    lib = library()
+    optional = [] if means is None else [(means, torch.float32)]
+    lib = _logits_kernel(logits, (sums, torch.float32), *optional)
     if lib is None:
         return False
+    n, V = logits.shape
     lib.mtrain_ce_sums(ctypes.c_void_p(logits.data_ptr()), ctypes.c_int64(n), ctypes.c_int64(V),
                        ctypes.c_int64(logits.stride(0)), ctypes.c_void_p(sums.data_ptr()),
                        None if means is None else ctypes.c_void_p(means.data_ptr()), ctypes.c_int(torch.get_num_threads()))
@@ -285,14 +293,10 @@ def cross_entropy_gradient_(logits: Tensor, lse: Tensor, target: Tensor, g: floa
     g * softmax(x) - g * eps / V, minus g * (1 - eps) more at each row's target, from each row's
     float32 log-sum-exp `lse`. False (nothing written) where the kernel is not loaded or the tensors
     do not fit it."""
-    if not _bfloat16_rows(logits):  # before library(): other devices and dtypes never build it
-        return False
-    n, V = logits.shape
-    if not _per_row(lse, n, torch.float32) or not _per_row(target, n, torch.int64):
-        return False
-    lib = library()
+    lib = _logits_kernel(logits, (lse, torch.float32), (target, torch.int64))
     if lib is None:
         return False
+    n, V = logits.shape
     lib.mtrain_ce_grad(ctypes.c_void_p(logits.data_ptr()), ctypes.c_int64(n), ctypes.c_int64(V),
                        ctypes.c_int64(logits.stride(0)), ctypes.c_void_p(lse.data_ptr()),
                        ctypes.c_void_p(target.data_ptr()), ctypes.c_float(g), ctypes.c_float(g * eps / V),
