@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from mtrain.cache import KVCache
+from mtrain.reductions import PLAIN, Reductions
 
 
 class PerModel:
@@ -58,6 +59,8 @@ class EnsembleCache:
 
 class Ensemble:
     """Models that share one target vocabulary, decoding as one (see the module docstring)."""
+
+    reductions: Reductions = PLAIN  # search's, over the mean's log-probs (mtrain.reductions)
 
     def __init__(self, models: list) -> None:
         if not models:

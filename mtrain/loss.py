@@ -21,9 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mtrain.cpu import native
-from mtrain.cpu.ops import logsumexp_
-from mtrain.cpu.packing import ROW_MULTIPLE
+from mtrain.reductions import PLAIN, Reductions, logsumexp_, reductions_of
 
 
 def _float32_or_wider(logits: Tensor) -> Tensor:
@@ -82,14 +80,16 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.dtype), None, None
 
 
-def projected_label_smoothed_loss(states: Tensor, weight: Tensor, target: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def projected_label_smoothed_loss(states: Tensor, weight: Tensor, target: Tensor, eps: float,
+                                  reductions: Reductions = PLAIN) -> tuple[Tensor, Tensor]:
     """label_smoothed_loss(states @ weight.T, target, eps), the vocabulary projection and the loss
     in one: (N, d) decoder states at real target positions, (V, d) projection weight. The same
-    values; the gradient the same up to rounding (see _ProjectedSmoothedCrossEntropy)."""
+    values; the gradient the same up to rounding (see _ProjectedSmoothedCrossEntropy). The row
+    sums and the gradient take the model's reductions (mtrain.reductions)."""
     dtype = states.dtype
     if torch.is_autocast_enabled(states.device.type) and states.dtype in (torch.float32, torch.float16, torch.bfloat16):
         dtype = torch.get_autocast_dtype(states.device.type)  # the matmul runs in autocast's dtype
-    return _ProjectedSmoothedCrossEntropy.apply(states, weight, target, eps, dtype)
+    return _ProjectedSmoothedCrossEntropy.apply(states, weight, target, eps, dtype, reductions)
 
 
 CHUNK_BYTES = 1 << 21  # float32 logits per chunk: ~1 MiB per thread of 2, a Zen 4 core's L2 cache
@@ -97,9 +97,6 @@ CHUNK_BYTES = 1 << 21  # float32 logits per chunk: ~1 MiB per thread of 2, a Zen
 # vocabulary 2 MiB is 16 rows, ~1500 chunks and ~20k launches for 25k target tokens. 64 MiB chunks
 # (512 rows there) keep the float32 copy of a chunk small next to the logits themselves.
 DEVICE_CHUNK_BYTES = 1 << 26
-# The projection's matmuls run on the real target tokens rounded up to ROW_MULTIPLE rows (zero
-# states, so zero logits, that the loss skips), the row rounding mtrain.cpu.packing explains: at 2k
-# tokens at most ~3 % more of this matmul.
 
 
 def _chunk_rows(vocab: int, device: torch.device) -> int:
@@ -134,11 +131,6 @@ PLAIN_EXP_FLOOR = -60.0
 # The log sum exps the loss takes without the row maxima (see PLAIN_EXP_FLOOR); rows outside this
 # range (a model's logits rarely are) are summed again shifted.
 PLAIN_LSE_RANGE = (PLAIN_EXP_FLOOR, 80.0)
-
-
-def _plain_sums(device: torch.device) -> bool:
-    """Whether the loss sums exp(logits) without the row maxima (on a CPU)."""
-    return device.type == "cpu"
 
 
 def _shifted_where_out_of_range(lse: Tensor, vocab: int, logits_of: Callable[[Tensor], Tensor],
@@ -176,17 +168,17 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
     softmax is one multiply, with no second exp and subtraction: at 3900 x 256 x 8000 the loss's
     forward and backward took 466 against 495 ms (medians of 20, 2-core AVX2 EPYC); in a profiled
     float32 step its ops took 45 against 58 ms (benchmarks/results/amd-epyc-avx2/NOTES.md). Narrower logits (bfloat16) stay as they are, an upcast copy of each chunk
-    is reduced, and the backward recomputes softmax(x) = exp(x - lse) chunk by chunk; on a CPU
-    mtrain.cpu.native, where it is built, reads each bfloat16 row once for its sums and writes its
-    gradient over it in one pass (a bfloat16 step 1.05-1.07x as fast, benchmarks/results/intel-xeon-amx/NOTES.md). Values
-    equal label_smoothed_loss's; the gradient differs by rounding only."""
+    is reduced, and the backward recomputes softmax(x) = exp(x - lse) chunk by chunk. The model's
+    reductions may take the row sums and the gradient over (a CPU's C kernels read each bfloat16
+    row once for each: mtrain.cpu.reductions). Values equal label_smoothed_loss's; the gradient
+    differs by rounding only."""
 
     @staticmethod
     def forward(ctx, states: Tensor, weight: Tensor, target: Tensor, eps: float,
-                dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        n = states.size(0)
+                dtype: torch.dtype, reductions: Reductions) -> tuple[Tensor, Tensor]:
+        n, multiple = states.size(0), reductions.row_multiple
         with torch.autocast(states.device.type, enabled=False):  # dtypes are chosen here, explicitly
-            h, w = _zero_padded_rows(states.to(dtype), -(-n // ROW_MULTIPLE) * ROW_MULTIPLE), weight.to(dtype)
+            h, w = _zero_padded_rows(states.to(dtype), -(-n // multiple) * multiple), weight.to(dtype)
             logits = h @ w.t()  # (N rounded up, V); the rows from n on are zero and stay out of the loss
         wide = torch.float64 if dtype == torch.float64 else torch.float32
         in_place = logits.dtype == wide
@@ -194,14 +186,13 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         sums = logits.new_empty(n, dtype=wide)
         mean = logits.new_empty(n, dtype=wide) if eps else None
         # Each chunk's reductions go straight into the per-row tensors (out=), and the sums over rows
-        # follow the loop: about 60 chunks a step, each of which had cost some 20 small ops. On a CPU
-        # the sums of exp take no maximum out first, which saves two passes per chunk: rows where
-        # that could over- or underflow are summed again with it (_shifted_where_out_of_range).
-        # Elsewhere the maxima go first, as finding those rows would stop the host until the device
-        # catches up.
-        peak = None if _plain_sums(logits.device) else logits.new_empty(n, 1, dtype=wide)
-        # bfloat16 on a CPU: mtrain.cpu.native reads each row once for both (where it is built)
-        chunks = [] if peak is None and native.cross_entropy_sums(logits[:n], sums, mean) else \
+        # follow the loop: about 60 chunks a step, each of which had cost some 20 small ops. The
+        # sums of exp subtract each row's maximum first, unless the reductions sum them without
+        # (a CPU's, two passes fewer per chunk): rows where that could over- or underflow are then
+        # summed again with it (_shifted_where_out_of_range). On a GPU finding those rows would stop
+        # the host until the device catches up.
+        peak = None if reductions.unshifted_sums(logits.device) else logits.new_empty(n, 1, dtype=wide)
+        chunks = [] if peak is None and reductions.cross_entropy_sums(logits[:n], sums, mean) else \
             _row_chunks(n, logits.size(1), logits.device)
         for rows in chunks:
             x = logits[rows] if in_place else logits[rows].to(wide, copy=True)
@@ -226,12 +217,12 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         # a separate output (clone): nll_sum is marked non-differentiable
         loss_sum = nll_sum.clone() if mean is None else (1.0 - eps) * nll_sum + eps * (lse - mean).sum()
         ctx.save_for_backward(h, w, logits, lse, inverse_sums, target)
-        ctx.eps, ctx.dtypes, ctx.spent = eps, (states.dtype, weight.dtype), False
+        ctx.eps, ctx.dtypes, ctx.reductions, ctx.spent = eps, (states.dtype, weight.dtype), reductions, False
         ctx.mark_non_differentiable(nll_sum)
         return loss_sum, nll_sum
 
     @staticmethod
-    def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor) -> tuple[Tensor, Tensor, None, None, None]:
+    def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor) -> tuple[Tensor, Tensor, None, None, None, None]:
         if ctx.spent:  # the logits were turned into their gradient by the first backward
             raise RuntimeError("projected_label_smoothed_loss supports one backward per forward (no retain_graph)")
         ctx.spent = True
@@ -246,8 +237,8 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         floor = g * (eps / vocab)
         row_scale = None if inverse_sums is None else inverse_sums.mul_(g)[:, None]
         chunks = _row_chunks(n, vocab, lse.device)
-        if row_scale is None and native.cross_entropy_gradient_(logits[:n], lse, target, float(g), eps):
-            chunks = []  # bfloat16 on a CPU: mtrain.cpu.native wrote the gradient over the logits
+        if row_scale is None and ctx.reductions.cross_entropy_gradient_(logits[:n], lse, target, float(g), eps):
+            chunks = []  # the reductions wrote the gradient over the logits
         for rows in chunks:
             if row_scale is not None:  # the logits hold exp(x - c): g * softmax(x) is one multiply
                 grad = logits[rows].mul_(row_scale[rows])
@@ -262,7 +253,7 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
             grad_states = (logits @ w)[:n] if ctx.needs_input_grad[0] else None
             grad_weight = logits.t() @ h if ctx.needs_input_grad[1] else None
         return (None if grad_states is None else grad_states.to(ctx.dtypes[0]),
-                None if grad_weight is None else grad_weight.to(ctx.dtypes[1]), None, None, None)
+                None if grad_weight is None else grad_weight.to(ctx.dtypes[1]), None, None, None, None)
 
 
 def symmetric_kl(logits_a: Tensor, logits_b: Tensor) -> Tensor:
@@ -318,7 +309,8 @@ class Objective(nn.Module):
         if torch.compiler.is_compiling():  # the compiler fuses the plain version itself
             return label_smoothed_loss(self.model.project(states), target, self.eps)
         # model.project is the bias-free tied matrix: its weight is all the fused loss needs.
-        return projected_label_smoothed_loss(states, self.model.proj.weight, target, self.eps)
+        return projected_label_smoothed_loss(states, self.model.proj.weight, target, self.eps,
+                                             reductions_of(self.model))
 
     def _states(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model.target_states(src, tgt_in, tgt_out)  # (N, d_model), N = real target tokens

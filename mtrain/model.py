@@ -13,6 +13,7 @@ from mtrain.attention import attend
 from mtrain.cache import PLAIN, BeamCache, CacheLayers, KVCache, LayerCache
 from mtrain.config import ModelConfig
 from mtrain.errors import MtrainError
+from mtrain.reductions import PLAIN as PLAIN_REDUCTIONS, Reductions
 
 
 def sinusoids(length: int, d_model: int) -> Tensor:
@@ -193,8 +194,10 @@ class Transformer(nn.Module):
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=d ** -0.5)
 
-    # The layer caches decoding caches are made of (mtrain.cache); a CPU decoding copy sets its own.
+    # The layer caches decoding caches are made of (mtrain.cache), and the row reductions search
+    # and the loss take (mtrain.reductions); a CPU model sets its own.
     cache_layers: CacheLayers = PLAIN
+    reductions: Reductions = PLAIN_REDUCTIONS
 
     def new_cache(self, group: int = 1) -> KVCache:
         """An empty decoding cache; group > 1: beam search with `group` target rows per source

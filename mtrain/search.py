@@ -19,9 +19,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mtrain.cpu import native
 from mtrain import splitmix
-from mtrain.cpu.ops import NEG_INF, argmax_rows, logsumexp_, topk_rows
+from mtrain.reductions import NEG_INF, PLAIN, Reductions, reductions_of
 from mtrain.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
@@ -162,25 +161,26 @@ def step_logits(model: Decoder, tokens: Tensor, memory: Any, src: Tensor, cache,
                 blocks: Float32Blocks | None = None, bfloat16: bool = False) -> Iterator[tuple[int, Tensor]]:
     """Feed one new token per row; yield (first row, float32 logits (n, V) of rows first..first+n-1),
     block after block. The blocks are the caller's to overwrite, until it asks for the next one (with
-    `blocks`, each is upcast into that one buffer; with bfloat16, a bfloat16 model's blocks on a CPU
-    come as they are where mtrain.cpu.native loads). A model with decode_states and project runs the decoder once and the output
-    projection block by block; any other, one block of all rows."""
+    `blocks`, each is upcast into that one buffer; with bfloat16, a bfloat16 block comes as it is
+    where the model's reductions take it so: Reductions.keeps_bfloat16). A model with decode_states
+    and project runs the decoder once and the output projection block by block; any other, one block
+    of all rows."""
     tgt = tokens.unsqueeze(1)
     if not projects_in_blocks(model):
         yield 0, model.decode(tgt, memory, src, cache)[:, -1].float()
         return
     upcast = blocks.upcast if blocks is not None else Tensor.float
     if bfloat16:
-        upcast = _float_unless_bfloat16(upcast)
+        upcast = _float_unless_kept(upcast, reductions_of(model))
     for first, logits in projected_blocks(model, model.decode_states(tgt, memory, src, cache)[:, -1]):
         yield first, upcast(logits)
 
 
-def _float_unless_bfloat16(upcast):
-    """upcast, except for bfloat16 blocks on a CPU where mtrain.cpu.native loads (asked only when one
-    comes: float32 decoding, and decoding on a GPU, never build the kernels)."""
+def _float_unless_kept(upcast, reductions: Reductions):
+    """upcast, except for the bfloat16 blocks the reductions take as they are (asked only when one
+    comes: float32 decoding never asks)."""
     def cast(block: Tensor) -> Tensor:
-        kept = block.dtype == torch.bfloat16 and block.device.type == "cpu" and native.library() is not None
+        kept = block.dtype == torch.bfloat16 and reductions.keeps_bfloat16(block)
         return block if kept else upcast(block)
 
     return cast
@@ -215,36 +215,31 @@ def next_token_topk(model: Decoder, tokens: Tensor, memory: Tensor, src: Tensor,
     log-probs (N, k), best first, and their ids (N, k). PAD/BOS and banned tokens never; a row
     with forced[row] >= 0 gets that token alone (the others -inf). Rows are handled in blocks
     (step_logits); each row's result depends on that row alone. A bfloat16 model's blocks stay
-    bfloat16 where mtrain.cpu.native's top-k kernel is loaded (topk_of_logits)."""
+    bfloat16 where its reductions take them so (topk_of_logits)."""
     tops, ids = [], []
+    reductions = reductions_of(model)
     for first, logits in step_logits(model, tokens, memory, src, cache, blocks, bfloat16=True):
         n = logits.size(0)
-        top, top_ids = topk_of_logits(logits, forced[first : first + n], k, bans_in(bans, first, n))
+        top, top_ids = topk_of_logits(logits, forced[first : first + n], k, bans_in(bans, first, n), reductions)
         tops.append(top)
         ids.append(top_ids)
     return (tops[0], ids[0]) if len(tops) == 1 else (torch.cat(tops), torch.cat(ids))
 
 
-def topk_of_logits(logits: Tensor, forced: Tensor, k: int, bans: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+def topk_of_logits(logits: Tensor, forced: Tensor, k: int, bans: tuple[Tensor, Tensor],
+                   reductions: Reductions = PLAIN) -> tuple[Tensor, Tensor]:
     """next_token_topk on one block of (n, V) float32 or bfloat16 logits, which it overwrites.
 
     On a CPU, log_softmax over the whole vocabulary and then top-k cost more than the output
-    projection. Here float32 logits are read twice (chunked top-k, then logsumexp in place) and
-    never copied, bfloat16 ones once by mtrain.cpu.native.topk_logsumexp; the masking happens on the
-    k + 2 best, which hold the k best other than PAD and BOS. Banned tokens leave the top-k as -inf
-    logits; the normaliser still counts them."""
+    projection. Here the logits are never normalised: the k + 2 best and the row's log-sum-exp
+    (Reductions.topk_logsumexp) are all it takes, and the masking happens on the k + 2 best, which
+    hold the k best other than PAD and BOS. Banned tokens leave the top-k as -inf logits; the
+    normaliser still counts them."""
     rows = (forced >= 0).nonzero().squeeze(1)
     kept = logits[rows, forced[rows]].float()  # indexing copies: the logits are overwritten below
     banned = logits[bans].float()
     logits[bans] = NEG_INF
-    width = min(k + 2, logits.size(1))
-    fused = native.topk_logsumexp(logits, width) if logits.dtype == torch.bfloat16 else None
-    if fused is not None:
-        top, ids, lse = fused
-    else:
-        logits = logits.float()
-        top, ids = topk_rows(logits, width)
-        lse = logsumexp_(logits, peak=top[:, :1].clone())  # over every token; overwrites the logits
+    top, ids, lse = reductions.topk_logsumexp(logits, min(k + 2, logits.size(1)))
     if banned.numel():
         lse = _add_to_normaliser(lse, bans[0], banned)
     top = top.sub_(lse).masked_fill_((ids == PAD_ID) | (ids == BOS_ID), NEG_INF)
@@ -264,15 +259,6 @@ def _add_to_normaliser(lse: Tensor, rows: Tensor, values: Tensor) -> Tensor:
     shift = lse.scatter_reduce(0, rows, values, "amax")  # per row max(lse, its values): exp cannot overflow
     total = (lse - shift).exp().index_add_(0, rows, (values - shift[rows]).exp())
     return (shift + total.log()).unsqueeze(1)
-
-
-def best_rows(scores: Tensor) -> Tensor:
-    """argmax_rows of (N, V) logits; bfloat16 ones (a bfloat16 model's, where mtrain.cpu.native
-    is loaded) by its one pass over them, with no upcast: the same index, the first of equal maxima."""
-    if scores.dtype == torch.bfloat16:
-        fused = native.topk_logsumexp(scores, 1, normaliser=False)
-        return fused[1].squeeze(1) if fused is not None else argmax_rows(scores.float())
-    return argmax_rows(scores)
 
 
 def _until_eos(row: list[int]) -> list[int]:
@@ -329,7 +315,8 @@ def _decode_token_by_token(model: Decoder, src: Tensor, rules: Constraints, pick
     ended = torch.zeros(B, dtype=torch.bool, device=src.device)  # per row: its sentence has its EOS
     tokens = src.new_full((B,), BOS_ID)
     blocks, sizes = Float32Blocks(), row_sizes(model, src.device)
-    fused = pick is None  # bfloat16 blocks for best_rows; sampling's log_softmax wants float32
+    reductions = reductions_of(model)
+    fused = pick is None  # bfloat16 blocks for the argmax; sampling's log_softmax wants float32
     for t in range(out.size(1)):
         forced, bans = rules.forced(active, t), rules.bans(out[active, :t])
         picked = []
@@ -338,7 +325,7 @@ def _decode_token_by_token(model: Decoder, src: Tensor, rules: Constraints, pick
             rows = active[first : first + n]
             full = None if pick is None else torch.log_softmax(logits, dim=-1)  # the model's own, for the score
             scores = restrict_(logits, forced[first : first + n], bans_in(bans, first, n))
-            chosen = best_rows(scores) if pick is None else pick(scores, rows, t)  # log_softmax keeps the argmax
+            chosen = reductions.argmax(scores) if pick is None else pick(scores, rows, t)  # log_softmax keeps the argmax
             if full is not None:
                 gained = full.gather(1, chosen.unsqueeze(1)).squeeze(1).double()
                 logprob[rows] += gained.masked_fill_(ended[first : first + n], 0.0)

@@ -11,9 +11,13 @@ import torch
 
 from mtrain import cpu
 from mtrain.config import ModelConfig
+from mtrain.cache import PLAIN as PLAIN_CACHES
+from mtrain.cpu import reductions as cpu_reductions
+from mtrain.cpu.cache import for_decoding
 from mtrain.cpu.model import FastTransformer, accelerate
 from mtrain.loss import Objective
 from mtrain.model import Transformer
+from mtrain.reductions import PLAIN
 from mtrain.search import beam_search, greedy_search
 
 PAD = 0
@@ -75,25 +79,47 @@ def test_plain_and_accelerated_training_steps_agree(dtype):
 
 
 def test_with_the_switch_off_decoding_gives_the_same_searches(monkeypatch):
-    """Greedy and beam search of one model with the stand-ins on and off: the same tokens, scores
-    to float32 rounding."""
+    """Greedy and beam search of one model, as a CPU decoding copy (the CPU's caches and
+    reductions) with the stand-ins on and as the paper's model with them off: the same tokens,
+    scores to float32 rounding."""
     torch.manual_seed(3)
     model = Transformer(CFG).eval()
     src = batch(1)[0]
     max_len = torch.full((src.size(0),), 12)
 
-    def searches():
+    def searches(model):
         with torch.inference_mode():
             return greedy_search(model, src, max_len), beam_search(model, src, beam=3, lenpen=0.6, max_len=max_len, nbest=2)
 
-    greedy_on, beams_on = searches()
+    greedy_on, beams_on = searches(for_decoding(copy.deepcopy(model)))
     monkeypatch.setenv(cpu.FAST_ENV, "0")
-    greedy_off, beams_off = searches()
+    plain = for_decoding(model)
+    assert plain.reductions is PLAIN and plain.cache_layers is PLAIN_CACHES  # the switch leaves the paper's
+    greedy_off, beams_off = searches(plain)
     assert greedy_off == greedy_on
     assert [[ids for ids, _ in hyps] for hyps in beams_off] == [[ids for ids, _ in hyps] for hyps in beams_on]
     scores_on = torch.tensor([s for hyps in beams_on for _, s in hyps])
     scores_off = torch.tensor([s for hyps in beams_off for _, s in hyps])
     torch.testing.assert_close(scores_off, scores_on, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [60, 8003])
+def test_cpu_reductions_give_pytorchs(dtype, vocab):
+    """The CPU's row reductions (chunked top-k and argmax, the C kernel's one pass over bfloat16
+    rows where it loads) against PLAIN's torch ops, on logits with ties and -inf: the same ids
+    (argmax's first of equal maxima), top values exactly, log-sum-exp to float32 rounding."""
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(37, vocab, generator=gen) * 3).to(dtype)
+    logits[4, 7] = logits[4, vocab - 2] = 40.0  # a tie for the maximum
+    logits[6, : vocab // 2] = float("-inf")
+    got, want = cpu_reductions.CPU, PLAIN
+    assert torch.equal(got.argmax(logits.clone()), want.argmax(logits.clone()))
+    top, ids, lse = got.topk_logsumexp(logits.clone(), 5)
+    top_plain, ids_plain, lse_plain = want.topk_logsumexp(logits.clone(), 5)
+    assert torch.equal(top, top_plain) and top.dtype == torch.float32
+    assert torch.equal(logits.float().gather(1, ids), top)  # ids of those values (ties may swap columns)
+    torch.testing.assert_close(lse, lse_plain, rtol=2e-6, atol=2e-6)
 
 
 @pytest.mark.fast_paths

@@ -384,16 +384,16 @@ def test_bfloat16_cache_holds_every_key_and_value_through_regrowths_and_reorders
 @needs_kernel
 def test_topk_without_normaliser_is_the_first_argmax():
     """normaliser=False (greedy search): the same top values and columns, no log-sum-exp; top-1 is
-    argmax's first column of equal maxima (search.best_rows)."""
+    argmax's first column of equal maxima (the CPU reductions' argmax, greedy search's)."""
     from mtrain.cpu.ops import argmax_rows
-    from mtrain.search import best_rows
+    from mtrain.cpu.reductions import CPU
 
     logits = (torch.randn(20, 300) * 2).bfloat16()
     logits[3, 10] = logits[3, 250] = 99  # a tie: the first column wins
     top, ids, lse = native.topk_logsumexp(logits, 3, normaliser=False)
     assert lse is None
     assert torch.equal(top, native.topk_logsumexp(logits, 3)[0]) and torch.equal(ids, native.topk_logsumexp(logits, 3)[1])
-    assert torch.equal(best_rows(logits), argmax_rows(logits.float())) and best_rows(logits)[3] == 10
+    assert torch.equal(CPU.argmax(logits), argmax_rows(logits.float())) and CPU.argmax(logits)[3] == 10
 
 
 def test_float32_decoding_never_builds_the_kernels(monkeypatch):

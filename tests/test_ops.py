@@ -12,7 +12,9 @@ from conftest import DEVICES
 from mtrain import loss as loss_module
 from mtrain.cpu import native
 from mtrain.cpu.ops import Dropout, keep_bits, splitmix_words
+from mtrain.cpu.reductions import CPU
 from mtrain.loss import label_smoothed_loss, projected_label_smoothed_loss
+from mtrain.reductions import PLAIN, Reductions
 
 
 def problem(n: int, d: int, vocab: int, dtype=torch.float64, seed: int = 0):
@@ -23,11 +25,23 @@ def problem(n: int, d: int, vocab: int, dtype=torch.float64, seed: int = 0):
     return states, weight, target
 
 
-def both(states, weight, target, eps, fused: bool, autocast: bool = False, scale: float = 0.37):
+class Rounded(Reductions):
+    """PyTorch's reductions, with the loss's rows rounded up to `row_multiple` and its sums of exp
+    taken without the row maxima where `unshifted` says so."""
+
+    def __init__(self, row_multiple: int = 1, unshifted: bool = False) -> None:
+        self.row_multiple, self.unshifted = row_multiple, unshifted
+
+    def unshifted_sums(self, device):
+        return self.unshifted
+
+
+def both(states, weight, target, eps, fused: bool, autocast: bool = False, scale: float = 0.37,
+         reductions: Reductions = PLAIN):
     h, w = states.clone().requires_grad_(), weight.clone().requires_grad_()
     with torch.autocast(states.device.type, dtype=torch.bfloat16, enabled=autocast):
         if fused:
-            loss, nll = projected_label_smoothed_loss(h, w, target, eps)
+            loss, nll = projected_label_smoothed_loss(h, w, target, eps, reductions)
         else:
             loss, nll = label_smoothed_loss(h @ w.t(), target, eps)
     (loss * scale).backward()  # a gradient scale other than 1, as forward_backward's 1/tokens
@@ -37,12 +51,13 @@ def both(states, weight, target, eps, fused: bool, autocast: bool = False, scale
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 @pytest.mark.parametrize("chunk_bytes", [4 * 13 * 3, 1 << 21], ids=["3-row-chunks", "one-chunk"])
 @pytest.mark.parametrize("row_multiple", [1, 7, 64], ids=["unpadded", "pad-to-21", "pad-to-64"])
+@pytest.mark.parametrize("unshifted", [False, True], ids=["maxima-first", "unshifted-sums"])
 @pytest.mark.parametrize("scale", [0.37, -0.37, 0.0], ids=["grad>0", "grad<0", "grad=0"])
-def test_fused_projection_and_loss_equal_the_plain_ones(monkeypatch, eps, chunk_bytes, row_multiple, scale):
+def test_fused_projection_and_loss_equal_the_plain_ones(monkeypatch, eps, chunk_bytes, row_multiple, unshifted, scale):
     monkeypatch.setattr(loss_module, "CHUNK_BYTES", chunk_bytes)
-    monkeypatch.setattr(loss_module, "ROW_MULTIPLE", row_multiple)
     states, weight, target = problem(n=20, d=6, vocab=13)  # 20 rows: 3-row chunks leave a ragged last one
-    fused, plain = both(states, weight, target, eps, True, scale=scale), both(states, weight, target, eps, False, scale=scale)
+    fused = both(states, weight, target, eps, True, scale=scale, reductions=Rounded(row_multiple, unshifted))
+    plain = both(states, weight, target, eps, False, scale=scale)
     for a, b in zip(fused, plain):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
@@ -68,14 +83,14 @@ def test_fused_loss_holds_where_plain_sums_of_exp_would_not(monkeypatch, dtype, 
     overflows and at -300 it is 0 (without the second sum both give inf or NaN), at -100 its terms
     are subnormal and the plain sum is finite but off by ~1e-3, at +85 and -70 the plain sum would
     still hold. Loss, NLL and gradients are the plain (log_softmax) loss's, in every row, with the
-    rows redone one or two at a time. Off a CPU the maxima go first in every row (maxima-first runs
-    that path here)."""
-    monkeypatch.setattr(loss_module, "_plain_sums", lambda device: plain_sums)
+    rows redone one or two at a time. PyTorch's reductions take the maxima first in every row
+    (maxima-first runs that path)."""
     monkeypatch.setattr(loss_module, "CHUNK_BYTES", 4 * 9 * rows_per_chunk)
     states, weight, target = problem(n=6, d=5, vocab=9, dtype=dtype)
     weight[:, -1] = 1.0  # the last feature adds the same amount to every logit of a row
     states[2, -1], states[4, -1] = shift, -0.5 * shift
-    fused, plain = both(states, weight, target, 0.1, True), both(states, weight, target, 0.1, False)
+    fused = both(states, weight, target, 0.1, True, reductions=CPU if plain_sums else PLAIN)
+    plain = both(states, weight, target, 0.1, False)
     # float32's exp(x - lse) loses |x| * 2^-24 in the subtraction, with or without the shifted sum
     tol = 1e-5 * max(1.0, abs(shift) / 8) if dtype == torch.float32 else 1e-12
     for a, b in zip(fused, plain):
@@ -110,10 +125,10 @@ def test_cross_entropy_kernels_equal_the_formulas_in_float64(vocab):
 
 
 def test_kernels_are_never_built_for_other_devices_or_dtypes(monkeypatch):
-    """The loss and beam search ask mtrain.cpu.native for their passes whatever the device (a GPU's
+    """The CPU's reductions ask mtrain.cpu.native for their passes whatever the device (a GPU's
     bfloat16 logits too): for anything but bfloat16 rows on a CPU the answer is no, before the
     library is loaded or built."""
-    from mtrain.search import _float_unless_bfloat16
+    from mtrain.search import _float_unless_kept
 
     def no_build():
         raise AssertionError("library() called")
@@ -124,7 +139,7 @@ def test_kernels_are_never_built_for_other_devices_or_dtypes(monkeypatch):
         assert not native.cross_entropy_sums(logits, torch.zeros(3), None)
         assert not native.cross_entropy_gradient_(logits, lse, target, 1.0, 0.1)
         assert native.topk_logsumexp(logits, 2) is None  # beam search's, on a GPU's bfloat16 logits
-        assert _float_unless_bfloat16(torch.Tensor.float)(logits).dtype == torch.float32  # the search's blocks
+        assert _float_unless_kept(torch.Tensor.float, CPU)(logits).dtype == torch.float32  # the search's blocks
 
 
 @needs_native
@@ -137,10 +152,10 @@ def test_bfloat16_loss_by_the_kernels_equals_pytorchs_chunks(monkeypatch, eps, s
     states, weight, target = problem(n=70, d=16, vocab=1003, dtype=torch.float32)
     weight[:, -1] = 1.0
     states[5, -1] = shift
-    kernel = both(states, weight, target, eps, True, autocast=True)
+    kernel = both(states, weight, target, eps, True, autocast=True, reductions=CPU)
     monkeypatch.setattr(native, "cross_entropy_sums", lambda *args: False)
     monkeypatch.setattr(native, "cross_entropy_gradient_", lambda *args: False)
-    chunks = both(states, weight, target, eps, True, autocast=True)
+    chunks = both(states, weight, target, eps, True, autocast=True, reductions=CPU)
     for a, b in zip(kernel[:2], chunks[:2]):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
@@ -148,9 +163,11 @@ def test_bfloat16_loss_by_the_kernels_equals_pytorchs_chunks(monkeypatch, eps, s
         assert ((a - b).norm() / b.norm()).item() < 1e-2
 
 
-def test_projection_matmuls_see_row_counts_rounded_up():
-    """Every matmul of the fused loss, forward and backward, has a multiple of ROW_MULTIPLE rows in
-    the token dimension, whatever the token count: so a run meets a bounded set of shapes."""
+@pytest.mark.parametrize("reductions", [CPU, PLAIN], ids=["cpu", "plain"])
+def test_projection_matmuls_see_row_counts_rounded_up(reductions):
+    """Every matmul of the fused loss, forward and backward, has a multiple of the reductions'
+    row_multiple rows in the token dimension (a CPU's: 64), whatever the token count: so a run meets
+    a bounded set of shapes."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class MatmulShapes(TorchDispatchMode):
@@ -166,8 +183,8 @@ def test_projection_matmuls_see_row_counts_rounded_up():
     for n in (1, 63, 64, 65, 130):
         states, weight, target = problem(n=n, d=8, vocab=11, dtype=torch.float32)
         with MatmulShapes() as mode:
-            both(states, weight, target, 0.1, True)
-        tokens = -(-n // loss_module.ROW_MULTIPLE) * loss_module.ROW_MULTIPLE
+            both(states, weight, target, 0.1, True, reductions=reductions)
+        tokens = -(-n // reductions.row_multiple) * reductions.row_multiple
         # forward h @ W.T, backward grad @ W and grad.T @ h: the token dimension is outer, outer, inner
         assert mode.shapes == [((tokens, 8), (8, 11)), ((tokens, 11), (11, 8)), ((11, tokens), (tokens, 8))], n
 

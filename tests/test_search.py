@@ -18,7 +18,8 @@ from mtrain import search
 from mtrain.cache import KVCache
 from mtrain.config import ModelConfig
 from mtrain.hardware import cpu_has_native_bf16
-from mtrain.cpu.ops import argmax_rows, logsumexp_, topk_rows
+from mtrain.cpu.ops import argmax_rows, topk_rows
+from mtrain.reductions import logsumexp_
 from mtrain.model import Transformer
 from mtrain.search import (
     Sampling,
@@ -398,7 +399,7 @@ class Ungrouped:
     as a reference for the per-sentence K/V that beam search normally gets."""
 
     def __init__(self, model: Transformer) -> None:
-        self.model, self.cfg = model, model.cfg
+        self.model, self.cfg, self.reductions = model, model.cfg, model.reductions
 
     def encode(self, src):
         return self.model.encode(src)
@@ -481,7 +482,7 @@ class DecodeOnly:
     """A Transformer behind decode alone: searches get one block of every row's logits a step."""
 
     def __init__(self, model: Transformer) -> None:
-        self.model, self.cfg = model, model.cfg
+        self.model, self.cfg, self.reductions = model, model.cfg, model.reductions
 
     def encode(self, src):
         return self.model.encode(src)
@@ -556,9 +557,10 @@ def test_bfloat16_blocks_upcast_into_one_buffer_change_no_result(monkeypatch, ro
     reads the bfloat16 blocks instead, is off here (tests/test_native.py checks it)."""
     from types import SimpleNamespace
 
+    from mtrain.cpu import reductions as cpu_reductions
     from mtrain.cpu.quantize import bfloat16_weights
 
-    monkeypatch.setattr(search, "native", SimpleNamespace(library=lambda: None, topk_logsumexp=lambda *a: None))
+    monkeypatch.setattr(cpu_reductions, "native", SimpleNamespace(library=lambda: None, topk_logsumexp=lambda *a: None))
     bf16 = bfloat16_weights(random_model(1))
     monkeypatch.setattr(search, "BLOCK_BYTES", 4 * bf16.cfg.vocab_size * rows)
     whole = DecodeOnly(bf16)

@@ -10,8 +10,9 @@ dropout masks in distribution; tests/test_acceleration.py holds the two sides to
 | `model` | the training step's layers, subclasses of mtrain.model's that `accelerate(model)` swaps in: dropout folded into linear layers, the step on the rows of a batch without its padding (`packing`) | `MTRAIN_CPU_FAST=0` |
 | `attention` | attention's faster ways on a CPU, behind mtrain.attention.attend: bfloat16 matmuls around a float32 softmax | `MTRAIN_CPU_FAST=0` |
 | `ops` | the pieces those use: dropout masks by bits, a packed step's attention by batched matmuls; search's chunked top-k and argmax | `MTRAIN_CPU_FAST=0` |
+| `reductions` | search's top-k with log-sum-exp and argmax, the loss's row sums and gradient, in fewer passes over the logits (a model's `reductions`: `accelerate` and `cache.for_decoding` set them) | `MTRAIN_CPU_FAST=0` |
 | `cache` | a decoding copy's caches: bfloat16 keys for the C kernel, or float32 where it does not load (`decoding_model` and `bfloat16_weights` choose them) | `MTRAIN_CPU_FAST=0` |
-| `native` (+ `native.c`) | C kernels: dropout masks, the bfloat16 loss's sums and gradient, attention over a bfloat16 decoding cache, top-k with log-sum-exp, AMX linear layers | `MTRAIN_CPU_KERNELS=0` (or `MTRAIN_CPU_FAST=0`) |
+| `native` (+ `native.c`) | C kernels: dropout masks, the bfloat16 loss's sums and gradient and search's top-k with log-sum-exp (through `reductions`), attention over a bfloat16 decoding cache, AMX linear layers | `MTRAIN_CPU_KERNELS=0` (or `MTRAIN_CPU_FAST=0`) |
 | `quantize` | decoding copies: int8 linear layers (`decode.quantize=int8`), bfloat16 weights through oneDNN (`decode.amp=bf16`) | the decode setting |
 | `workers` | decoding in several processes (`decode.workers`) | the decode setting |
 | `mkl` | MKL's fast kernels on AMD CPUs | opt-in: `MTRAIN_MKL_INTEL_PATH=1` |

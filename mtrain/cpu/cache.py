@@ -5,7 +5,8 @@ kernel reads them, and the cache attends with that kernel (more than 8 queries a
 prefix, go to mtrain.attention). Elsewhere a bfloat16 model's keys are upcast to float32 once, when
 stored: attention on a CPU runs in float32 anyway (mtrain.cpu.attention), and in a bfloat16 beam-5
 profile upcasting them at every step that read them was a quarter of the time. Float32 models keep
-theirs as they come. `for_decoding(model)` makes a model's caches of these layers."""
+theirs as they come. `for_decoding(model)` makes a model's caches of these layers, and gives it the
+CPU's row reductions for search (mtrain.cpu.reductions)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from mtrain.attention import attend
 from mtrain.cache import BeamLayerCache, CacheLayers, LayerCache
 from mtrain.cpu import native
 from mtrain.cpu.ops import on_fast_cpu
+from mtrain.cpu.reductions import CPU as CPU_REDUCTIONS
 
 
 class _CPUKeys:
@@ -52,11 +54,14 @@ CPU = CacheLayers(CPULayerCache, CPUBeamLayerCache)
 
 
 def for_decoding(model):
-    """`model` (each member of an ensemble) with caches of the CPU layer caches, where the
-    stand-ins run (MTRAIN_CPU_FAST); returns it."""
-    for member in getattr(model, "models", None) or [model]:
+    """`model` (each member of an ensemble) with caches of the CPU layer caches, and the model with
+    the CPU's reductions, where the stand-ins run (MTRAIN_CPU_FAST); returns it."""
+    members = getattr(model, "models", None) or [model]
+    for member in members:
         if hasattr(member, "cache_layers") and fast_on(member):
             member.cache_layers = CPU
+    if any(fast_on(member) for member in members):
+        model.reductions = CPU_REDUCTIONS
     return model
 
 

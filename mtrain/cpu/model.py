@@ -22,6 +22,7 @@ from mtrain.cache import KVCache, LayerCache
 from mtrain.cpu import fast, switches
 from mtrain.cpu.ops import Dropout, dropout_linear, heads_attention, on_fast_cpu, relu_dropout
 from mtrain.cpu.packing import Packing
+from mtrain.cpu.reductions import CPU as CPU_REDUCTIONS
 from mtrain.model import (CrossAttention, DecoderLayer, EncoderLayer, FeedForward, SelfAttention, Transformer,
                           causal_mask, key_mask, split_heads)
 
@@ -125,7 +126,10 @@ class FastDecoderLayer(DecoderLayer):
 
 
 class FastTransformer(Transformer):
-    """Transformer whose training step runs on the real positions of a batch (target_states)."""
+    """Transformer whose training step runs on the real positions of a batch (target_states), its
+    loss's row sums by the CPU's reductions."""
+
+    reductions = CPU_REDUCTIONS
 
     def embed(self, ids: Tensor, table: nn.Embedding, start: int = 0, packing: Packing | None = None) -> Tensor:
         """Token embedding * sqrt(d_model) + sinusoid of positions start.., then dropout; with a

@@ -1,8 +1,8 @@
 """CPU stand-ins for torch ops that cost more than they should on a CPU: a dropout mask from 15
 random bits per element, made without bool tensors and applied by clearing bits, dropout folded
 into the linear layer around it, a packed step's attention over short sequences by batched
-matmuls, a chunked top-k and argmax, and an in-place logsumexp. Each gives what the torch op would (the dropout mask in distribution) and falls back to
-it where torch is fast already."""
+matmuls, and a chunked top-k and argmax. Each gives what the torch op would (the dropout mask in
+distribution) and falls back to it where torch is fast already."""
 
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ from torch import Tensor, nn
 
 from mtrain import splitmix
 from mtrain.cpu import fast, native
-
-NEG_INF = float("-inf")
+from mtrain.reductions import NEG_INF
 
 
 def on_fast_cpu(x: Tensor) -> bool:
@@ -334,13 +333,6 @@ def _softmax_dtype(q: Tensor) -> torch.dtype:
     bfloat16 q, k and v, whose matmuls run in bfloat16 around a float32 softmax, exactly as
     mtrain.cpu.attention.bfloat16_attention does (and autograd's backward through it)."""
     return torch.float32 if q.dtype == torch.bfloat16 else q.dtype
-
-
-def logsumexp_(x: Tensor, peak: Tensor) -> Tensor:
-    """(N, V) -> (N, 1) log sum exp of each row, computed in place in x (which is overwritten).
-    peak (N, 1) = the row maxima: subtracted first, so exp cannot overflow."""
-    peak = peak.masked_fill(~peak.isfinite(), 0.0)  # a row of -inf: log 0 = -inf, not NaN
-    return x.sub_(peak).exp_().sum(dim=1, keepdim=True).log_().add_(peak)
 
 
 def topk_rows(x: Tensor, k: int, chunk: int = 64) -> tuple[Tensor, Tensor]:
