@@ -279,15 +279,18 @@ def encode_capped(side: Side, lines: list[str], max_len: int) -> tuple[list[list
 
 def translate_nbest(model: Decoder, tokenizer: Tokenizer, lines: list[str], decode: DecodeConfig, device: torch.device | str,
                     stats: dict[str, Any] | None = None, bar=None, prefixes: list[str] | None = None,
-                    first_line: int = 0, pool: DecodingPool | None = None) -> tuple[Hypotheses, Counter[str]]:
+                    first_line: int = 0, pool: DecodingPool | None = None,
+                    numbers: list[int] | None = None) -> tuple[Hypotheses, Counter[str]]:
     """The n-best (text, score) of each line in input order, and the number of lines cut to the
     model's max_len: {"input": n, "prefix": m}. prefixes[i] (raw target text; "" = none) starts
     line i's translation. first_line: the number of lines[0] in the whole input (sampling draws by
     line number, so samples do not depend on how the input is cut into chunks and batches). Empty
     and whitespace-only lines get `decode.nbest` translations that are just their prefix (score
     0.0) without running the model. pool: the batches are searched in its processes (decode.workers),
-    each as `model` would search it here."""
-    return start_translation(model, tokenizer, lines, decode, device, stats, bar, prefixes, first_line, pool).finish()
+    each as `model` would search it here. numbers: each line's own number instead (lines gathered
+    from several inputs, as a server's batches are)."""
+    return start_translation(model, tokenizer, lines, decode, device, stats, bar, prefixes, first_line, pool,
+                             numbers).finish()
 
 
 @dataclasses.dataclass
@@ -320,7 +323,7 @@ class Translation:
 def start_translation(model: Decoder | Engine | Outline, tokenizer: Tokenizer, lines: list[str], decode: DecodeConfig,
                       device: torch.device | str, stats: dict[str, Any] | None = None, bar=None,
                       prefixes: list[str] | None = None, first_line: int = 0,
-                      pool: DecodingPool | None = None) -> Translation:
+                      pool: DecodingPool | None = None, numbers: list[int] | None = None) -> Translation:
     """translate_nbest up to the search: tokenized, batched, and with a pool its batches handed to
     the workers already (in this process they are searched when finish() asks for them). With a
     pool, `model` is read for its cfg.max_len only, so an Outline will do."""
@@ -334,8 +337,9 @@ def start_translation(model: Decoder | Engine | Outline, tokenizer: Tokenizer, l
     todo = [i for i, seq in enumerate(ids) if seq]
     slope = length_slope(decode, stats)
     batches = [[todo[j] for j in batch] for batch in decode_batches([len(ids[i]) for i in todo], decode.max_tokens)]
+    numbers = numbers if numbers is not None else range(first_line, first_line + len(lines))
     jobs = [BatchJob([ids[i] for i in rows], slope, None if forced is None else [forced[i] for i in rows],
-                     [first_line + i for i in rows], decode) for rows in batches]
+                     [numbers[i] for i in rows], decode) for rows in batches]
     searched = pool.results(pool.submit(jobs)) if pool is not None else (search_batch(model, job, device) for job in jobs)
     return Translation(results, cuts, batches, searched, tokenizer, decode.nbest, bar, len(lines) - len(todo))
 
