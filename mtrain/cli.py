@@ -27,7 +27,7 @@ app = typer.Typer(
 
 
 # The commands whose time goes into matrix products: the only ones MKL's stub can speed up.
-MATMUL_COMMANDS = ("train", "translate", "score", "export")
+MATMUL_COMMANDS = ("train", "translate", "score", "export", "serve")
 
 
 @app.callback()
@@ -370,6 +370,40 @@ def export(
     typer.echo(json.dumps(result) if as_json else format_report(result))
     sys.stdout.flush()
     typer.echo(f"wrote {out} ({format}{', ' + quantization if quantization else ''})", err=True)
+
+
+@app.command()
+@friendly
+def serve(
+    checkpoint: List[Path] = typer.Option(..., "--checkpoint", help="A checkpoint (repeat it for an ensemble) or a folder written by `mtrain export --format ctranslate2`, as `mtrain translate` takes them."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8080, "--port", help="TCP port."),
+    beam: Optional[int] = typer.Option(None, "--beam", help="Default beam size of a request that sets none (decode.beam, default 5)."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Source tokens per decoding batch (decode.max_tokens, default 4096)."),
+    batch_wait_ms: float = typer.Option(5.0, "--batch-wait-ms", help="How long the first waiting request waits for others to share its batch."),
+    max_lines: int = typer.Option(256, "--max-lines", help="Lines one request may hold (more: 413)."),
+    max_chars: int = typer.Option(100_000, "--max-chars", help="Characters one request may hold, all lines together (more: 413)."),
+    max_queue_lines: int = typer.Option(20_000, "--max-queue-lines", help="Lines waiting for a batch, all requests together, before new requests get 503."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
+    overrides: Optional[List[str]] = SetOpt,
+) -> None:
+    """Serve translations over HTTP: POST /translate, GET /health, a page to try it at /, API docs at /docs."""
+    from mtrain.serve import require_server_libraries
+
+    require_server_libraries()
+    for name, value in (("--port", port if 0 < port < 65536 else 0), ("--max-lines", max_lines),
+                        ("--max-chars", max_chars), ("--max-queue-lines", max_queue_lines)):
+        if value < 1:
+            raise MtrainError(f"{name}: must be at least 1{' and below 65536' if name == '--port' else ''}")
+    if batch_wait_ms < 0:
+        raise MtrainError(f"--batch-wait-ms {batch_wait_ms}: must not be negative")
+    cfg = resolve_config(None, overrides, {"decode.beam": beam, "decode.max_tokens": max_tokens})
+    from mtrain.hardware import resolve_device
+    from mtrain.serve import serve as run_server
+    from mtrain.serve.api import Limits
+
+    run_server(list(checkpoint), cfg.decode, resolve_device(device), host, port, batch_wait_ms / 1000.0,
+               Limits(max_lines, max_chars, max_queue_lines))
 
 
 if __name__ == "__main__":  # after every command is registered, so `python -m mtrain.cli --help` lists them all
