@@ -152,6 +152,7 @@ def test_float32_models_keep_the_float32_layout(for_decoding):
     assert cache.layers[0].self_k.dtype == torch.float32
 
 
+@pytest.mark.fast_paths
 def test_the_papers_cache_keeps_keys_as_they_come_and_the_cpus_upcasts_bfloat16_without_the_kernel(monkeypatch):
     """mtrain.cache keeps a bfloat16 model's keys in bfloat16; the CPU decoding caches keep them
     bfloat16 for the kernel, or float32 where it does not load (attention runs in float32 there)."""
