@@ -130,7 +130,6 @@ def test_batcher_groups_by_options_splits_by_budget_and_keeps_order(checkpoint, 
     results, in order."""
     from mtrain.serve import batcher as batcher_module
 
-    model, tokenizer, ckpt = load_for_decoding([checkpoint], torch.device("cpu"))
     batches = []
 
     def fake_translate(model, tokenizer, text, decode, device, stats, prefixes=None, numbers=None):
@@ -138,14 +137,15 @@ def test_batcher_groups_by_options_splits_by_budget_and_keeps_order(checkpoint, 
         return [[(f"{decode.beam}:{line}", 0.0)] for line in text], None
 
     monkeypatch.setattr(batcher_module, "translate_nbest", fake_translate)
-    batcher = Batcher(model, tokenizer, "cpu", None, window=0.3, budget=0)
+    batcher = Batcher(lambda: load_for_decoding([checkpoint], torch.device("cpu")), "cpu", window=60, budget=0)
+    batcher.start()
     budget = batcher.budget = sum(batcher.lengths(lines[:2] + lines[4:5]))  # a and c fill one batch
     got = {}
     greedy, beam = DecodeConfig(beam=1), DecodeConfig(beam=4)
     jobs = [("a", lines[:2], greedy), ("b", lines[2:4], beam), ("c", lines[4:5], greedy), ("long", lines[5:25], greedy)]
-    for name, text, decode in jobs:  # all queued before the thread starts: they wait together
+    for name, text, decode in jobs:  # all within the first one's window (stop ends it): they wait together
         batcher.submit(text, None, decode, lambda result, name=name: got.__setitem__(name, result))
-    batcher.start().stop()
+    batcher.stop()
     for name, text, decode in jobs:
         assert [hyps[0][0] for hyps in got[name]] == [f"{decode.beam}:{line}" for line in text]
     first = batches[0]
@@ -282,16 +282,17 @@ def chromium() -> str | None:
 @pytest.mark.skipif(chromium() is None, reason="no Chromium installed (Debian: apt-get install chromium)")
 def test_the_page_translates_in_a_browser(checkpoint, lines, tmp_path):
     """Type German into the page's box, press the button, read the English: what /translate gives.
-    The screenshot goes to tmp_path, or to $MTRAIN_SCREENSHOT where set."""
+    The screenshot goes to tmp_path, or to $MTRAIN_SCREENSHOT where set; $MTRAIN_SERVE_CHECKPOINT
+    serves a trained model instead of the tiny random one."""
     sync_api = pytest.importorskip("playwright.sync_api")
     text = lines[:2]
-    with running(checkpoint) as (url, _):
+    with running(Path(os.environ.get("MTRAIN_SERVE_CHECKPOINT", checkpoint))) as (url, _):
         want = httpx.post(f"{url}/translate", json={"text": text}, timeout=60).json()["translations"]
         with sync_api.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=chromium(), args=["--no-sandbox"])
             page = browser.new_page(viewport={"width": 900, "height": 620})
             page.goto(url)
-            page.wait_for_function("document.getElementById('model').textContent.includes('best.pt')")
+            page.wait_for_function("document.getElementById('model').textContent.includes('.pt')")
             page.fill("#source", "\n".join(text))
             page.click("#go")
             page.wait_for_function("document.getElementById('status').textContent.endsWith('ms')", timeout=60_000)
@@ -300,3 +301,14 @@ def test_the_page_translates_in_a_browser(checkpoint, lines, tmp_path):
             page.screenshot(path=str(shot))
             browser.close()
     assert shot.stat().st_size > 0
+
+
+def test_a_checkpoint_that_does_not_load_is_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from mtrain.cli import app
+
+    result = CliRunner().invoke(app, ["serve", "--checkpoint", str(tmp_path / "missing.pt")])
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "missing.pt" in lines[0]

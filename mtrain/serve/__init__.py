@@ -56,9 +56,8 @@ def build(checkpoints: list[Path], decode: Any, device: Any, window: float, limi
     if decode.workers != 1:
         raise MtrainError(f"decode.workers={decode.workers}: the server decodes in one process, its batches in "
                           "one thread with every core; drop decode.workers")
-    model, tokenizer, ckpt = load_for_decoding(checkpoints, device, decode)
-    batcher = Batcher(model, tokenizer, device, ckpt.get("stats") or None, window, decode.max_tokens).start()
-    info = describe(checkpoints, model, ckpt, device, decode)
+    batcher = Batcher(lambda: load_for_decoding(checkpoints, device, decode), device, window, decode.max_tokens).start()
+    info = describe(checkpoints, batcher.model, batcher.ckpt, device, decode)
     return make_app(batcher, info, decode, limits), batcher, info
 
 
