@@ -65,10 +65,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running(checkpoint: Path, decode: DecodeConfig = DecodeConfig(), window: float = 0.005,
+def running(checkpoint: Path | list[Path], decode: DecodeConfig = DecodeConfig(), window: float = 0.005,
             limits: Limits = Limits()):
     """The server's app on a local port, in a thread; yields (base URL, batcher)."""
-    app, batcher, _ = build([checkpoint], decode, torch.device("cpu"), window, limits)
+    paths = checkpoint if isinstance(checkpoint, list) else [checkpoint]
+    app, batcher, _ = build(paths, decode, torch.device("cpu"), window, limits)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -225,6 +226,27 @@ def test_health_docs_and_openapi_describe_the_server(checkpoint):
         assert client.get("/docs").status_code == 200
         page = client.get("/")
         assert page.status_code == 200 and "<textarea" in page.text
+
+
+@pytest.mark.parametrize("kind", ["ensemble", "ctranslate2"])
+def test_ensembles_and_exported_folders_serve_as_translate_takes_them(checkpoint, lines, kind, tmp_path):
+    """Two checkpoints (an ensemble) or a CTranslate2 export folder: what translate gives for them."""
+    if kind == "ensemble":
+        served = [checkpoint, checkpoint]
+    else:
+        pytest.importorskip("ctranslate2")
+        from mtrain.export import export_checkpoint
+
+        served = [tmp_path / "ct2"]
+        export_checkpoint(checkpoint, "ctranslate2", served[0])
+    model, tokenizer, ckpt = load_for_decoding(served, torch.device("cpu"), DecodeConfig(beam=3))
+    want = translate_nbest(model, tokenizer, lines[:6], DecodeConfig(beam=3), "cpu", ckpt.get("stats"))[0]
+    with running(served) as (url, _):
+        health = client_health(url)
+        answer = httpx.post(f"{url}/translate", json={"text": lines[:6], "beam": 3}, timeout=60)
+    assert answer.json()["translations"] == [hyps[0][0] for hyps in want]
+    assert health["precision"] == ("float32" if kind == "ensemble" else "ctranslate2 float32")
+    assert health["model"] == ("serve0/best.pt + serve0/best.pt" if kind == "ensemble" else "ct2")
 
 
 def serve_process(checkpoint: Path, port: int, *extra: str) -> subprocess.Popen:
