@@ -151,18 +151,32 @@ def train(
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N (auto: cuda when available)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Build data and model, print a JSON summary (parameters, batches) and exit."),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Optimizer updates (train.max_steps)."),
+    init_from: Optional[Path] = typer.Option(None, "--init-from", help="Start a new run from this checkpoint's weights and model section (fine-tuning): a fresh optimizer and lr schedule; --data must be tokenized with its vocabulary (tokenize --spm-from CKPT)."),
     config: Optional[Path] = ConfigOpt,
     overrides: Optional[List[str]] = SetOpt,
     print_config: bool = PrintConfigOpt,
 ) -> None:
     """Train a post-norm Transformer on tokenized data (torchrun --nproc_per_node N -m mtrain train ... for DDP)."""
     cfg = resolve_config(config, overrides, {"train.max_steps": max_steps})
+    start = None
+    if init_from is not None:
+        from mtrain import init
+        from mtrain.config import set_keys
+
+        start = init.read_start(init_from)
+        cfg = init.config_for(cfg, start, set_keys(config, list(overrides or []))["model"])
     if print_config:
         print_config_and_exit(cfg)
     if data is None:
         raise MtrainError("train: --data is missing; pass the folder written by `mtrain tokenize` (e.g. --data data/multi30k-tok)")
     if out is None and not dry_run:
         raise MtrainError("train: --out is missing; pass a run folder (e.g. --out runs/quickstart)")
+    if start is not None:  # before the run folder is made
+        from mtrain.data import TokenizedData
+
+        init.check_vocabulary(start, data, TokenizedData(data).tokenizer.to_state())
+        if out is not None:
+            init.check_resume(out, start)
     if cfg.data.weights:  # names that do not fit the data: one line before the run folder is made
         from mtrain.data import TokenizedData
 
@@ -171,7 +185,7 @@ def train(
     from mtrain.train import train as run_training
 
     reuse_freed_memory()
-    summary = run_training(cfg, data_dir=data, run_dir=out, device=device, dry_run=dry_run)
+    summary = run_training(cfg, data_dir=data, run_dir=out, device=device, dry_run=dry_run, start=start)
     if dry_run:
         return
     if os.environ.get("RANK", "0") == "0":  # under torchrun, one summary (rank 0's)

@@ -381,6 +381,14 @@ def config_from_dict(data: dict[str, Any], where: str = "config") -> Config:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Defaults, then the YAML file (if any), then each `--set section.key=value` in order."""
+    merged = set_keys(path, overrides)
+    config = Config(**{name: SECTIONS[name](**merged[name]) for name in SECTIONS})
+    check_ranges(config)
+    return config
+
+
+def set_keys(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
+    """{section: {key: value}} of the keys the YAML file and the overrides set (coerced), without the defaults."""
     merged: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     if path is not None:
         path = Path(path)
@@ -392,9 +400,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         _merge(merged, data, str(path))
     for text in overrides:
         _merge(merged, parse_override(text), f"--set {_quoted(text)}")
-    config = Config(**{name: SECTIONS[name](**merged[name]) for name in SECTIONS})
-    check_ranges(config)
-    return config
+    return merged
 
 
 def _read_text(path: Path) -> str:

@@ -29,11 +29,12 @@ from tqdm import tqdm
 
 from mtrain import tracking
 from mtrain import distributed as dist_utils
-from mtrain import cpu
+from mtrain import cpu, init
 from mtrain.atomic import atomic_write
 from mtrain.config import Config, to_dict, to_yaml
 from mtrain.data import target_tokens
 from mtrain.errors import MtrainError, first_line, is_lost_peer
+from mtrain.init import Start
 from mtrain.hardware import amp_note, precision_name, resolve_device
 from mtrain.lock import RunLock
 from mtrain.memory import release_free_memory
@@ -137,6 +138,9 @@ class Run:
         if not resumed:
             tr.log(f"training {sum(p.numel() for p in tr.model.parameters()):,} parameters on {tr.device} "
                    f"({tr.dist.world_size} process(es)); run folder {tr.run_dir}")
+            if tr.start is not None:
+                tr.log(f"starting from {tr.start.path} (SHA-256 {tr.start.sha256[:12]}...): its weights and model "
+                       "section; a fresh optimizer and lr schedule")
         log_precision(tr)  # also on resume: the host may differ
         note = cooldown_patience_note(tr.tcfg.max_steps, tr.tcfg.cooldown_steps, tr.tcfg.patience)
         if note and not resumed:
@@ -153,6 +157,9 @@ class Run:
             for stale in tr.run_dir.glob(pattern):
                 with tr.writing(stale, "deleting a killed write's temp file"):
                     stale.unlink(missing_ok=True)
+        if tr.start is not None and not resumed:
+            with tr.writing(tr.run_dir / init.RECORD, "init_from.json write"):
+                init.write_record(tr.run_dir, tr.start)
         with tr.writing(tr.run_dir / "config.yaml", "config write"):
             with atomic_write(tr.run_dir / "config.yaml") as handle:  # a kill never leaves half a file
                 handle.write(to_yaml(tr.cfg))
@@ -350,8 +357,9 @@ def log_precision(trainer: Trainer) -> None:
 
 
 def train(cfg: Config, data_dir: str | Path, run_dir: str | Path | None, device: str = "auto",
-          dry_run: bool = False) -> dict[str, Any]:
-    """Train (or resume, when run_dir holds last.pt) and return a summary dict."""
+          dry_run: bool = False, start: Start | None = None) -> dict[str, Any]:
+    """Train (or resume, when run_dir holds last.pt) and return a summary dict. start: the
+    checkpoint a new run takes its weights from (mtrain.init)."""
     info = dist_utils.from_env()
     torch_device = resolve_device(device)
     if torch_device.type == "cuda" and info.enabled:
@@ -364,7 +372,7 @@ def train(cfg: Config, data_dir: str | Path, run_dir: str | Path | None, device:
         with contextlib.ExitStack() as stack:
             if not dry_run:  # a dry run writes nothing
                 lock_run_folder(stack, Path(run_dir or "."), info, torch_device)
-            trainer = Trainer(cfg, Path(data_dir), Path(run_dir or "."), torch_device, info)
+            trainer = Trainer(cfg, Path(data_dir), Path(run_dir or "."), torch_device, info, start)
             if dry_run:
                 summary = summarize(trainer)
                 log_precision(trainer)

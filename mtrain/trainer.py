@@ -37,6 +37,8 @@ from mtrain.hardware import cuda_index, resolve_amp
 from mtrain.loss import Objective, forward_backward
 from mtrain.cpu.model import accelerate
 from mtrain.model import Transformer
+from mtrain import init
+from mtrain.init import Start
 from mtrain.prefetch import Prefetcher, pin, to_device
 from mtrain.cpu.quantize import check_quantize
 from mtrain.resume import TrainState, rng_state, set_rng_state
@@ -163,8 +165,9 @@ class Trainer:
     resume, one update, validate, save. The loop around them is `Run`."""
 
     def __init__(self, cfg: Config, data_dir: Path, run_dir: Path, device: torch.device,
-                 dist: dist_utils.DistInfo) -> None:
+                 dist: dist_utils.DistInfo, start: Start | None = None) -> None:
         self.data_dir, self.run_dir, self.device, self.dist = Path(data_dir), Path(run_dir), device, dist
+        self.start = start  # a new run's weights come from this checkpoint (mtrain.init); resume() overrides them
         check_quantize(cfg.decode.quantize, cfg.decode.amp, device)  # validation decodes with cfg.decode
         data = TokenizedData(data_dir)
         check_direction(cfg, data.meta, self.data_dir)
@@ -184,6 +187,9 @@ class Trainer:
         self.stream = BatchStream(self.train_split, self.tcfg.max_tokens, self.tcfg.seed, sampler=sampler,
                                   mixer=data.mixer(self.cfg.data, self.tcfg.seed, self.train_split))
         self._build_model()
+        if start is not None:
+            init.check_vocabulary(start, self.data_dir, self.tokenizer.to_state())
+            self.model.load_state_dict(start.weights)
         # Each update's batches are collated (pinned, on a GPU) while the previous update computes.
         self.prefetch = Prefetcher(self.stream, self.dist.world_size * self.tcfg.update_freq, self._prepare)
 
