@@ -27,7 +27,7 @@ app = typer.Typer(
 
 
 # The commands whose time goes into matrix products: the only ones MKL's stub can speed up.
-MATMUL_COMMANDS = ("train", "translate", "score", "export", "serve")
+MATMUL_COMMANDS = ("train", "translate", "score", "export", "serve", "import")
 
 
 @app.callback()
@@ -384,6 +384,30 @@ def export(
     typer.echo(json.dumps(result) if as_json else format_report(result))
     sys.stdout.flush()
     typer.echo(f"wrote {out} ({format}{', ' + quantization if quantization else ''})", err=True)
+
+
+@app.command(name="import")
+@friendly
+def import_model(
+    model: str = typer.Option(..., "--model", help="A Hugging Face MarianMTModel folder (OPUS-MT models, `mtrain export --format huggingface`), or a hub name such as Helsinki-NLP/opus-mt-de-en (downloaded)."),
+    out: Path = typer.Option(..., "--out", help="The mtrain checkpoint to write (e.g. runs/opus-de-en/model.pt)."),
+    format: str = typer.Option("huggingface", "--format", help="huggingface (MarianMTModel)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
+) -> None:
+    """Import a Marian model as an mtrain checkpoint, to translate, score, fine-tune (train --init-from) and export."""
+    if format != "huggingface":
+        raise MtrainError(f"--format {format}: import reads huggingface (MarianMTModel) folders")
+    if out.is_dir():
+        raise MtrainError(f"--out {out}: a folder; pass the checkpoint file to write, e.g. {out / 'model.pt'}")
+    from mtrain.hub import import_marian
+
+    summary = import_marian(model, out)
+    if as_json:
+        typer.echo(json.dumps(summary))
+    else:
+        typer.echo(f"wrote {out}: {summary['parameters']:,} parameters, {summary['layers'][0]}+{summary['layers'][1]} "
+                   f"layers, d_model {summary['d_model']}, {summary['activation']}, output bias "
+                   f"{'yes' if summary['output_bias'] else 'no'}, vocabulary {summary['vocabulary']}")
 
 
 @app.command()

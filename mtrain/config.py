@@ -39,6 +39,12 @@ class ModelConfig:
     pad_id: int = 0  # fixed by mtrain's SentencePiece training
     max_len: int = 256  # longest sequence the positional table covers
     share_embeddings: bool = True  # three-way tying with a joint vocabulary
+    # The FFN's nonlinearity: relu (the paper) or swish (x * sigmoid(x), as Marian's OPUS-MT models
+    # use; mtrain import sets it for them).
+    activation: str = "relu"
+    # A bias on the output projection (the paper has none; imported Marian models carry
+    # final_logits_bias).
+    output_bias: bool = False
 
 
 @dataclass(frozen=True)
@@ -434,6 +440,9 @@ RANGES: dict[str, tuple[float, float | None]] = {
 }
 
 
+ACTIVATIONS = ("relu", "swish")
+
+
 def check_ranges(config: Config) -> None:
     """One-line error for the first key in RANGES whose value cannot work."""
     for dotted, (low, high) in RANGES.items():
@@ -445,6 +454,8 @@ def check_ranges(config: Config) -> None:
             bound = f"at least {low}" if high is None else f"in [{low}, {high})"
             raise MtrainError(f"{dotted}={value!r}: must be {bound}; change it in the config file or with --set {dotted}=...")
     check_corpus_settings(config.data)
+    if config.model.activation not in ACTIVATIONS:
+        raise MtrainError(f"model.activation={config.model.activation!r}: use {' or '.join(ACTIVATIONS)}")
     train = config.train
     unknown = [target for target in train.log_to if target not in LOG_TARGETS]
     if unknown:

@@ -306,7 +306,9 @@ class Objective(nn.Module):
         if self.rdrop_alpha > 0 and self.training:
             return self._rdrop(src, tgt_in, tgt_out)
         states, target = self._states(src, tgt_in, tgt_out)
-        if torch.compiler.is_compiling():  # the compiler fuses the plain version itself
+        if torch.compiler.is_compiling() or self.model.proj.bias is not None:
+            # the compiler fuses the plain version itself; an output bias (model.output_bias) is
+            # outside what the fused projection computes
             return label_smoothed_loss(self.model.project(states), target, self.eps)
         # model.project is the bias-free tied matrix: its weight is all the fused loss needs.
         return projected_label_smoothed_loss(states, self.model.proj.weight, target, self.eps,

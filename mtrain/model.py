@@ -101,10 +101,12 @@ class CrossAttention(nn.Module):
 
 class FeedForward(nn.Sequential):
     """FFN(x) = max(0, x W1 + b1) W2 + b2 (paper eq. 2), with dropout on the hidden ReLU output
-    (model.activation_dropout; the paper has none there, tensor2tensor's relu_dropout does)."""
+    (model.activation_dropout; the paper has none there, tensor2tensor's relu_dropout does).
+    activation="swish": x * sigmoid(x) in place of max(0, x), as in Marian's models."""
 
-    def __init__(self, d_model: int, d_ff: int, dropout: float):
-        super().__init__(nn.Linear(d_model, d_ff), nn.ReLU(), nn.Dropout(dropout), nn.Linear(d_ff, d_model))
+    def __init__(self, d_model: int, d_ff: int, dropout: float, activation: str = "relu"):
+        nonlinearity = nn.SiLU() if activation == "swish" else nn.ReLU()
+        super().__init__(nn.Linear(d_model, d_ff), nonlinearity, nn.Dropout(dropout), nn.Linear(d_ff, d_model))
 
 
 def activation_dropout(cfg: ModelConfig) -> float:
@@ -119,7 +121,7 @@ class EncoderLayer(nn.Module):
         super().__init__()
         self.self_attn = SelfAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
         self.norm1 = nn.LayerNorm(cfg.d_model)
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, activation_dropout(cfg))
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, activation_dropout(cfg), cfg.activation)
         self.norm2 = nn.LayerNorm(cfg.d_model)
         self.dropout = nn.Dropout(cfg.dropout)  # residual dropout (paper 5.4)
 
@@ -137,7 +139,7 @@ class DecoderLayer(nn.Module):
         self.norm1 = nn.LayerNorm(cfg.d_model)
         self.cross_attn = CrossAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
         self.norm2 = nn.LayerNorm(cfg.d_model)
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, activation_dropout(cfg))
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, activation_dropout(cfg), cfg.activation)
         self.norm3 = nn.LayerNorm(cfg.d_model)
         self.dropout = nn.Dropout(cfg.dropout)  # residual dropout (paper 5.4)
 
@@ -168,8 +170,9 @@ class Transformer(nn.Module):
         self.src_embed = self.tgt_embed if joint else nn.Embedding(src_vocab, cfg.d_model)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_decoder_layers))
-        # No output bias: the paper's softmax is over x W^T only, and it keeps the 63.08M count exact.
-        self.proj = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        # No output bias by default: the paper's softmax is over x W^T only, and it keeps the 63.08M
+        # count exact (model.output_bias adds one, for imported Marian models).
+        self.proj = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.output_bias)
         self.embed_dropout = nn.Dropout(cfg.dropout)
         self.register_buffer("pe", sinusoids(cfg.max_len, cfg.d_model), persistent=False)
         self.scale = math.sqrt(cfg.d_model)

@@ -55,7 +55,7 @@ from mtrain.corpus import (
 )
 from mtrain.data import FORMAT_VERSION, SIDES, model_digest
 from mtrain.errors import MtrainError
-from mtrain.tokenizer import MODEL_TYPES, SPECIAL_IDS, Tokenizer
+from mtrain.tokenizer import MODEL_TYPES, SPECIAL_IDS, VOCABULARY_FILES, Tokenizer
 
 
 @contextlib.contextmanager
@@ -77,7 +77,7 @@ class Output:
     SentencePiece models (the folder is incomplete until meta.json is back); leaving on an error or
     Ctrl-C deletes the files this run wrote, and the folder if this run made it."""
 
-    STALE = ("meta.json", "spm.model", "spm.src.model", "spm.tgt.model")
+    STALE = ("meta.json", "spm.model", "spm.src.model", "spm.tgt.model", *VOCABULARY_FILES)
 
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
@@ -479,8 +479,8 @@ def tokenize_corpus(
         phases["SentencePiece"] = time.perf_counter()
         tok = given or train_tokenizer(cfg, cleaned, train_split, tags)
         phases["encoding"] = time.perf_counter()
-        with _writing(out.folder / ("spm.model" if tok.joint else "spm.src.model + spm.tgt.model")):
-            for name in ("spm.model",) if tok.joint else ("spm.src.model", "spm.tgt.model"):
+        with _writing(out.folder / " + ".join(tok.files())):
+            for name in tok.files():
                 out.path(name)
             tok.save(out.folder)
         for record in cleaned.corpora:

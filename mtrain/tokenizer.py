@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import json
 import os
 import re
 from pathlib import Path
@@ -116,6 +117,10 @@ class Side:
     def pieces(self, line: str) -> list[str]:
         return self._proc.encode(line, out_type=str)
 
+    def id_pieces(self) -> list[str]:
+        """The piece of each id, in id order (what an exported vocabulary lists)."""
+        return [self._proc.id_to_piece(i) for i in range(self.vocab_size)]
+
     def control_id(self, symbol: str) -> int:
         """The id of a reserved (control) piece such as a corpus tag."""
         piece = self._proc.piece_to_id(symbol)
@@ -124,16 +129,75 @@ class Side:
         return piece
 
 
+SPECIAL_PIECES = ("<pad>", "<unk>", "<s>", "</s>")  # ids 0-3 of a vocabulary list (MappedSide)
+VOCABULARY_FILES = ("spm.vocab.json", "spm.tgt.vocab.json")  # MappedSide's lists, in a folder
+
+
+class MappedSide(Side):
+    """A SentencePiece model that cuts text into pieces, with ids from a vocabulary list of its own,
+    as Marian models have them (mtrain.hub imports them): the list holds both sides' pieces, so
+    the two sides' SentencePiece models share one id space. Ids 0-3 are <pad>, <unk>, <s>, </s>; a
+    piece outside the list is <unk>. A leading language code such as >>fra<< (multilingual models)
+    is one piece of its own, as MarianTokenizer reads it."""
+
+    def __init__(self, model: bytes, vocabulary: Sequence[str]) -> None:
+        self.model = model
+        self._proc = spm.SentencePieceProcessor(model_proto=model)
+        self.vocabulary = list(vocabulary)
+        if tuple(self.vocabulary[:4]) != SPECIAL_PIECES:
+            raise MtrainError(f"a vocabulary list must start with {', '.join(SPECIAL_PIECES)}; "
+                              f"it starts with {', '.join(self.vocabulary[:4])}")
+        self.ids = {piece: i for i, piece in enumerate(self.vocabulary)}
+        self.vocab_size = len(self.vocabulary)
+
+    def _ids(self, lines: list[str], **options: Any) -> list[list[int]]:
+        out = []
+        for line in lines:
+            code = []
+            if line.startswith(">>") and (end := line.find("<<")) != -1:
+                code, line = [line[: end + 2]], line[end + 2 :]
+            pieces = code + self._proc.encode(line, out_type=str, **options)
+            out.append([self.ids.get(piece, UNK_ID) for piece in pieces])
+        return out
+
+    def encode(self, lines: list[str]) -> list[list[int]]:
+        return self._ids(list(lines))
+
+    def sample(self, lines: list[str], alpha: float, seed: int) -> list[list[int]]:
+        spm.set_random_generator_seed(seed)
+        return self._ids(list(lines), enable_sampling=True, alpha=alpha, nbest_size=-1)
+
+    def decode(self, ids: list[list[int]]) -> list[str]:
+        size = self.vocab_size
+        texts = [self._proc.decode_pieces([self.vocabulary[int(i)] for i in seq
+                                           if int(i) not in _SKIP and 0 <= int(i) < size]) for seq in ids]
+        return [text.replace("\u2581", " ").strip() for text in texts]  # as MarianTokenizer decodes
+
+    def id_pieces(self) -> list[str]:
+        return list(self.vocabulary)
+
+    def control_id(self, symbol: str) -> int:
+        raise MtrainError(f"corpus tag {symbol!r}: an imported vocabulary has no reserved pieces for tags; drop --tag")
+
+
 class Tokenizer:
-    """One SentencePiece model shared by both sides (joint: `src is tgt`) or one per side.
+    """One SentencePiece model shared by both sides (joint: `src is tgt`) or one per side; or, for
+    imported Marian models, one per side with one vocabulary list of ids (MappedSide; joint: the
+    sides share that list).
 
     Encoding never adds BOS/EOS: batching does that (see mtrain.data.collate).
     """
 
-    def __init__(self, src_model: bytes, tgt_model: bytes | None = None) -> None:
-        self.joint: bool = tgt_model is None
-        self.src = Side(src_model)
-        self.tgt = self.src if tgt_model is None else Side(tgt_model)
+    def __init__(self, src_model: bytes, tgt_model: bytes | None = None,
+                 vocabulary: Sequence[str] | None = None, tgt_vocabulary: Sequence[str] | None = None) -> None:
+        self.joint: bool = tgt_model is None if vocabulary is None else tgt_vocabulary is None
+        self.mapped = vocabulary is not None
+        if self.mapped:
+            self.src = MappedSide(src_model, vocabulary)
+            self.tgt = MappedSide(tgt_model if tgt_model is not None else src_model, tgt_vocabulary or vocabulary)
+        else:
+            self.src = Side(src_model)
+            self.tgt = self.src if tgt_model is None else Side(tgt_model)
 
     # --- building -------------------------------------------------------------------------
     @classmethod
@@ -152,10 +216,22 @@ class Tokenizer:
             tok.save(out_dir)
         return tok
 
+    def files(self) -> list[str]:
+        """The names save() writes."""
+        if self.mapped:
+            return ["spm.src.model", "spm.tgt.model", *VOCABULARY_FILES[: 1 if self.joint else 2]]
+        return ["spm.model"] if self.joint else ["spm.src.model", "spm.tgt.model"]
+
     def save(self, out_dir: str | Path) -> None:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        if self.joint:
+        if self.mapped:
+            (out_dir / "spm.src.model").write_bytes(self.src.model)
+            (out_dir / "spm.tgt.model").write_bytes(self.tgt.model)
+            lists = [self.src.vocabulary] + ([] if self.joint else [self.tgt.vocabulary])
+            for name, vocabulary in zip(VOCABULARY_FILES, lists):
+                (out_dir / name).write_text(json.dumps(vocabulary, ensure_ascii=False), encoding="utf-8")
+        elif self.joint:
             (out_dir / "spm.model").write_bytes(self.src.model)
         else:
             (out_dir / "spm.src.model").write_bytes(self.src.model)
@@ -165,6 +241,8 @@ class Tokenizer:
     def load(cls, out_dir: str | Path, joint: bool | None = None) -> "Tokenizer":
         """Read the model file(s) from a tokenized data folder (joint: spm.model if present)."""
         out_dir = Path(out_dir)
+        if (out_dir / VOCABULARY_FILES[0]).is_file():
+            return cls._load_mapped(out_dir)
         joint_path, src_path, tgt_path = out_dir / "spm.model", out_dir / "spm.src.model", out_dir / "spm.tgt.model"
         if joint is None:
             joint = joint_path.is_file()
@@ -174,20 +252,42 @@ class Tokenizer:
                 raise MtrainError(f"{path}: SentencePiece model not found; run `mtrain tokenize --out {out_dir}` first")
         return cls(*(path.read_bytes() for path in paths))
 
+    @classmethod
+    def _load_mapped(cls, out_dir: Path) -> "Tokenizer":
+        paths = [out_dir / "spm.src.model", out_dir / "spm.tgt.model"]
+        for path in paths:
+            if not path.is_file():
+                raise MtrainError(f"{path}: SentencePiece model not found beside {VOCABULARY_FILES[0]}; "
+                                  "re-run `mtrain tokenize --spm-from CKPT`")
+        lists = []
+        for name in VOCABULARY_FILES:
+            if (out_dir / name).is_file():
+                try:
+                    lists.append(json.loads((out_dir / name).read_text(encoding="utf-8")))
+                except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                    raise MtrainError(f"{out_dir / name}: damaged ({err}); re-run `mtrain tokenize`") from None
+        return cls(paths[0].read_bytes(), paths[1].read_bytes(), lists[0], lists[1] if len(lists) > 1 else None)
+
     def to_state(self) -> dict[str, Any]:
         """Plain data + bytes for a checkpoint (torch.load(weights_only=True) accepts it)."""
-        return {
+        state = {
             "version": STATE_VERSION,
             "joint": self.joint,
             "src_model": self.src.model,
-            "tgt_model": None if self.joint else self.tgt.model,
+            "tgt_model": None if self.joint and not self.mapped else self.tgt.model,
             "special_ids": dict(SPECIAL_IDS),
         }
+        if self.mapped:
+            state["vocabulary"] = list(self.src.vocabulary)
+            state["tgt_vocabulary"] = None if self.joint else list(self.tgt.vocabulary)
+        return state
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "Tokenizer":
         if not isinstance(state, dict) or "src_model" not in state:
             raise MtrainError("checkpoint tokenizer state is missing or malformed; re-save the checkpoint with mtrain")
+        if state.get("vocabulary") is not None:
+            return cls(state["src_model"], state["tgt_model"], state["vocabulary"], state.get("tgt_vocabulary"))
         return cls(state["src_model"], None if state.get("joint", True) else state["tgt_model"])
 
 

@@ -321,7 +321,9 @@ class Trainer:
 
     def _check_same_model(self, ckpt: dict[str, Any], path: Path) -> None:
         stored, current = ckpt["config"].get("model", {}), to_dict(self.cfg)["model"]
-        diffs = [f"{k}: {stored.get(k)!r} -> {v!r}" for k, v in current.items() if stored.get(k) != v]
+        defaults = to_dict(Config())["model"]  # a key newer than the checkpoint: its default, which it had
+        diffs = [f"{k}: {stored.get(k, defaults[k])!r} -> {v!r}" for k, v in current.items()
+                 if stored.get(k, defaults[k]) != v]
         if diffs:
             raise MtrainError(f"{path}: the model config differs from the run being resumed ({'; '.join(diffs)}); "
                               "use the original config, or a new --out folder for a new model")

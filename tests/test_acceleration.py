@@ -5,6 +5,7 @@ same parameters under other classes."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -62,13 +63,17 @@ def test_the_switch_leaves_the_papers_model(monkeypatch):
     assert not cpu.fast()
 
 
+@pytest.mark.parametrize("variant", [{}, {"activation": "swish", "output_bias": True}], ids=["paper", "marian"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_plain_and_accelerated_training_steps_agree(dtype):
+def test_plain_and_accelerated_training_steps_agree(dtype, variant):
     """Dropout off (the masks are the same only in distribution): the same loss and gradients, to
     the rounding of the dtype (packing, oneDNN's fused linear layers and batched attention on one
-    side, PyTorch's ops on the padded batch on the other)."""
+    side, PyTorch's ops on the padded batch on the other); also for an imported Marian model's
+    swish FFN and output bias."""
     torch.manual_seed(0)
-    plain = Transformer(CFG).to(dtype).train()
+    plain = Transformer(dataclasses.replace(CFG, **variant)).to(dtype).train()
+    if plain.proj.bias is not None:
+        torch.nn.init.normal_(plain.proj.bias)
     fast = accelerate(copy.deepcopy(plain)).train()
     loss_plain, grads_plain = step(plain)
     loss_fast, grads_fast = step(fast)

@@ -437,7 +437,7 @@ def test_feed_forward_in_training_is_relu_dropout_linear_dropout():
     ffn = accelerate(FeedForward(8, 16, dropout=0.2)).double().train()
     x = torch.randn(4, 3, 8, dtype=torch.float64)
     torch.manual_seed(5)
-    y = ffn(x, dropout=0.1)
+    y = ffn(x, dropout_p=0.1)
     hidden_keep = keep_draw(4 * 3 * 16, 0.2, seed=5).view(4, 3, 16)
     out_keep = keep_draw(4 * 3 * 8, 0.1).view(4, 3, 8)  # the second draw follows the first
     hidden = torch.relu(ffn[0](x)) * hidden_keep * keep_scale(0.2)

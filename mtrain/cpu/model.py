@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from mtrain.attention import attend
 from mtrain.cache import KVCache, LayerCache
 from mtrain.cpu import fast, switches
-from mtrain.cpu.ops import Dropout, dropout_linear, heads_attention, on_fast_cpu, relu_dropout
+from mtrain.cpu.ops import Dropout, dropout, dropout_linear, heads_attention, on_fast_cpu, relu_dropout
 from mtrain.cpu.packing import Packing
 from mtrain.cpu.reductions import CPU as CPU_REDUCTIONS
 from mtrain.model import (CrossAttention, DecoderLayer, EncoderLayer, FeedForward, SelfAttention, Transformer,
@@ -91,15 +91,17 @@ class FastCrossAttention(CrossAttention):
 class FastFeedForward(FeedForward):
     """FeedForward with the hidden and the residual dropout folded into its linear layers."""
 
-    def forward(self, x: Tensor, dropout: float = 0.0) -> Tensor:
-        """dropout: the residual dropout on the output (paper 5.4). In training the first layer,
+    def forward(self, x: Tensor, dropout_p: float = 0.0) -> Tensor:
+        """dropout_p: the residual dropout on the output (paper 5.4). In training the first layer,
         its ReLU and the hidden dropout run as one (relu_dropout) and both dropouts' scales
         go into W2 (dropout_linear); in evaluation the layers run in order, as a decoding copy fuses the ReLU
         into the first (mtrain.cpu.quantize)."""
         if not self.training:
             return super().forward(x)
+        if not isinstance(self[1], nn.ReLU):  # the fused kernels are ReLU's; other activations run in order
+            return dropout(super().forward(x), dropout_p, self.training)
         hidden, scale = relu_dropout(self[0](x), self[2].p, self.training)
-        return dropout_linear(self[3], hidden, dropout, self.training, in_scale=scale)
+        return dropout_linear(self[3], hidden, dropout_p, self.training, in_scale=scale)
 
 
 class FastEncoderLayer(EncoderLayer):
@@ -108,7 +110,7 @@ class FastEncoderLayer(EncoderLayer):
     def forward(self, x: Tensor, src_mask: Tensor, packing: Packing | None = None) -> Tensor:
         p = self.dropout.p  # each sublayer drops its own output (in its last linear layer)
         x = self.norm1(x + self.self_attn(x, mask=src_mask, dropout=p, packing=packing))
-        return self.norm2(x + self.ffn(x, dropout=p))
+        return self.norm2(x + self.ffn(x, dropout_p=p))
 
 
 class FastDecoderLayer(DecoderLayer):
@@ -122,7 +124,7 @@ class FastDecoderLayer(DecoderLayer):
                                           packing=packing))
         x = self.norm2(x + self.cross_attn(x, memory, src_mask, cache=cache, dropout=p, packing=packing,
                                            memory_packing=memory_packing))
-        return self.norm3(x + self.ffn(x, dropout=p))
+        return self.norm3(x + self.ffn(x, dropout_p=p))
 
 
 class FastTransformer(Transformer):

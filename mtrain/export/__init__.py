@@ -49,7 +49,7 @@ def check_request(checkpoints: list[Path], fmt: str, out: Path, quantization: st
 # a way no exporter here knows how to write, so such a model is refused rather than exported wrong.
 EXPRESSIBLE = frozenset({"d_model", "d_ff", "n_heads", "n_encoder_layers", "n_decoder_layers", "dropout",
                          "attention_dropout", "activation_dropout", "vocab_size", "src_vocab_size", "pad_id",
-                         "max_len", "share_embeddings"})
+                         "max_len", "share_embeddings", "activation", "output_bias"})
 
 
 def check_expressible(model, fmt: str) -> None:

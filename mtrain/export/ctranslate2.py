@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
-from mtrain.export.runtime import pieces
 from mtrain.model import Transformer, sinusoids
 from mtrain.tokenizer import Tokenizer
 
@@ -72,9 +71,9 @@ def build_spec(model: Transformer, tokenizer: Tokenizer, max_positions: int):
     from ctranslate2.specs import common_spec, transformer_spec
 
     cfg = model.cfg
+    activation = common_spec.Activation.SWISH if cfg.activation == "swish" else common_spec.Activation.RELU
     spec = transformer_spec.TransformerSpec.from_config(
-        (cfg.n_encoder_layers, cfg.n_decoder_layers), cfg.n_heads, pre_norm=False,
-        activation=common_spec.Activation.RELU)
+        (cfg.n_encoder_layers, cfg.n_decoder_layers), cfg.n_heads, pre_norm=False, activation=activation)
     table = numpy(sinusoids(max_positions, cfg.d_model))
     spec.encoder.embeddings[0].weight = numpy(model.src_embed.weight)
     spec.encoder.position_encodings.encodings = table
@@ -84,11 +83,11 @@ def build_spec(model: Transformer, tokenizer: Tokenizer, max_positions: int):
     spec.decoder.embeddings.weight = numpy(model.tgt_embed.weight)
     spec.decoder.position_encodings.encodings = table
     spec.decoder.scale_embeddings = True
-    spec.decoder.projection.weight = numpy(model.proj.weight)  # tied: the target embedding
+    _linear(spec.decoder.projection, model.proj)  # tied: the target embedding (a bias where model.output_bias)
     for layer_spec, layer in zip(spec.decoder.layer, model.decoder):
         _decoder_layer(layer_spec, layer)
-    spec.register_source_vocabulary(pieces(tokenizer.src.model))
-    spec.register_target_vocabulary(pieces(tokenizer.tgt.model))
+    spec.register_source_vocabulary(tokenizer.src.id_pieces())
+    spec.register_target_vocabulary(tokenizer.tgt.id_pieces())
     config = spec.config
     config.add_source_eos = True
     config.add_source_bos = False

@@ -10,7 +10,7 @@ Marian in transformers is the same post-norm encoder-decoder, with these differe
     Marian's own table then adds the right sinusoid to the right coordinate;
   * decoding starts from `decoder_start_token_id` (mtrain's `<s>`, id 2); the tokenizer appends
     `</s>` to the source itself; `<pad>` and `<s>` are banned from the output (`bad_words_ids`);
-  * `final_logits_bias` is zero: mtrain's output layer has no bias.
+  * `final_logits_bias` is zero: mtrain's output layer has no bias (unless model.output_bias).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mtrain.export.runtime import Shape, pieces
+from mtrain.export.runtime import Shape
 from mtrain.model import Transformer
 from mtrain.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, UNK_ID
 
@@ -103,7 +103,8 @@ def marian_state(model: Transformer) -> dict[str, Tensor]:
             _ffn(state, name, layer.ffn, r)
             _norm(state, f"{name}.final_layer_norm", layer.norm3, r)
         state["lm_head.weight"] = state["model.decoder.embed_tokens.weight"]  # tied, as in mtrain
-        state["final_logits_bias"] = torch.zeros(1, model.cfg.vocab_size)
+        bias = model.proj.bias  # model.output_bias (imported Marian models); else none, as the paper
+        state["final_logits_bias"] = torch.zeros(1, model.cfg.vocab_size) if bias is None else bias.detach().reshape(1, -1)
     return {k: v.float().contiguous() for k, v in state.items()}
 
 
@@ -124,7 +125,7 @@ def marian_config(model: Transformer, max_positions: int):
         decoder_attention_heads=cfg.n_heads,
         encoder_ffn_dim=cfg.d_ff,
         decoder_ffn_dim=cfg.d_ff,
-        activation_function="relu",
+        activation_function=cfg.activation,
         dropout=cfg.dropout,
         attention_dropout=cfg.attention_dropout,
         activation_dropout=cfg.dropout if cfg.activation_dropout < 0 else cfg.activation_dropout,
@@ -150,8 +151,8 @@ def generation_config(beam: int, max_positions: int):
     )
 
 
-def _vocab(model_bytes: bytes) -> dict[str, int]:
-    return {piece: i for i, piece in enumerate(pieces(model_bytes))}
+def _vocab(side) -> dict[str, int]:
+    return {piece: i for i, piece in enumerate(side.id_pieces())}
 
 
 def write_tokenizer(tokenizer: Tokenizer, folder: Path, src: str | None, tgt: str | None, max_len: int) -> None:
@@ -159,10 +160,10 @@ def write_tokenizer(tokenizer: Tokenizer, folder: Path, src: str | None, tgt: st
     target_vocab.json with separate vocabularies."""
     (folder / "source.spm").write_bytes(tokenizer.src.model)
     (folder / "target.spm").write_bytes(tokenizer.tgt.model)
-    (folder / "vocab.json").write_text(json.dumps(_vocab(tokenizer.src.model), ensure_ascii=False), encoding="utf-8")
+    (folder / "vocab.json").write_text(json.dumps(_vocab(tokenizer.src), ensure_ascii=False), encoding="utf-8")
     separate = not tokenizer.joint
     if separate:
-        (folder / "target_vocab.json").write_text(json.dumps(_vocab(tokenizer.tgt.model), ensure_ascii=False),
+        (folder / "target_vocab.json").write_text(json.dumps(_vocab(tokenizer.tgt), ensure_ascii=False),
                                                   encoding="utf-8")
     config = {
         "tokenizer_class": "MarianTokenizer", "source_lang": src, "target_lang": tgt, "separate_vocabs": separate,

@@ -18,7 +18,7 @@ from torch import Tensor
 from mtrain.config import DecodeConfig
 from mtrain.errors import MtrainError
 from mtrain.hardware import X86, cpu_has_vnni, cpuinfo_fields
-from mtrain.tokenizer import PAD_ID, Tokenizer
+from mtrain.tokenizer import PAD_ID, VOCABULARY_FILES, Tokenizer
 
 META = "export.json"
 # What int8 costs where its products saturate, measured on an AVX2-only AMD EPYC (Zen 3) with the
@@ -69,6 +69,8 @@ def read_meta(folder: Path) -> dict[str, Any]:
 
 
 def read_tokenizer(folder: Path, meta: dict[str, Any]) -> Tokenizer:
+    if (folder / VOCABULARY_FILES[0]).is_file():  # an imported model's SentencePiece models and id list
+        return Tokenizer.load(folder)
     names = ["spm.model"] if meta.get("joint_vocabulary", True) else ["spm.src.model", "spm.tgt.model"]
     paths = [folder / name for name in names]
     for path in paths:
@@ -113,8 +115,8 @@ class CTranslate2Model:
         device_index = device.index or 0
         self.translator = ctranslate2.Translator(str(folder), device=device.type, device_index=device_index,
                                                  intra_threads=torch.get_num_threads() if device.type == "cpu" else 0)
-        self.src_pieces = pieces(self.tokenizer.src.model)
-        self.tgt_pieces = pieces(self.tokenizer.tgt.model)
+        self.src_pieces = self.tokenizer.src.id_pieces()
+        self.tgt_pieces = self.tokenizer.tgt.id_pieces()
         self.tgt_ids = {piece: i for i, piece in enumerate(self.tgt_pieces)}
         self.suppress = [[token] for token in self.meta.get("suppress_tokens", [])]
 
