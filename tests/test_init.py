@@ -5,7 +5,6 @@ key that contradicts CKPT, stop it in one line before anything is written."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from typer.testing import CliRunner
 from mtrain import checkpoint
 from mtrain.cli import app
 from mtrain.config import load_config
-from test_train import TINY, WORDS, copy_data  # noqa: F401  (copy_data: the copy-task corpus fixture)
+from test_train import TINY, copy_data, copy_task  # noqa: F401  (copy_data: the copy-task corpus fixture)
 
 GENERAL = ["train.max_steps=6", "train.save_every=3", "train.eval_every=6", "train.eval_max_sentences=2"]
 NEW = ["train.max_steps=8", "train.save_every=4", "train.eval_every=8", "train.eval_max_sentences=2",
@@ -102,17 +101,7 @@ def test_a_stopped_new_run_resumes_bit_for_bit(general, copy_data, tmp_path, sto
 @pytest.fixture(scope="module")
 def other_vocabulary(tmp_path_factory) -> Path:
     """The copy task's words tokenized with a SentencePiece model of its own."""
-    from mtrain.prepare import tokenize_corpus
-
-    raw = tmp_path_factory.mktemp("other-raw")
-    rng = random.Random(1)
-    for split, n in (("train", 300), ("valid", 10)):
-        lines = "".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8))) + "\n" for _ in range(n))
-        (raw / f"{split}.de").write_text(lines)
-        (raw / f"{split}.en").write_text(lines)
-    out = tmp_path_factory.mktemp("other-tok")
-    tokenize_corpus(load_config(None, ["tokenizer.vocab_size=280"]), data_dir=raw, out_dir=out, splits=["train", "valid"])
-    return out
+    return copy_task(tmp_path_factory, seed=1, sizes=(300, 10), vocab_size=280)
 
 
 def test_data_in_another_vocabulary_is_one_line_and_nothing_is_written(general, other_vocabulary, tmp_path):

@@ -22,20 +22,27 @@ TINY = ["model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.n_encoder
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
 
-@pytest.fixture(scope="session")
-def copy_data(tmp_path_factory) -> Path:
-    """A copy task (target = source) over 12 words, tokenized like any corpus."""
+def copy_task(tmp_path_factory, seed: int, sizes: tuple[int, int], vocab_size: int) -> Path:
+    """A copy task (target = source) over the 12 words, `sizes` train and valid lines drawn with
+    `seed`, tokenized like any corpus with a SentencePiece model of `vocab_size` pieces."""
     from mtrain.prepare import tokenize_corpus
 
     raw = tmp_path_factory.mktemp("copy-raw")
-    rng = random.Random(0)
-    for split, n in (("train", 400), ("valid", 20)):
+    rng = random.Random(seed)
+    for split, n in zip(("train", "valid"), sizes):
         lines = "".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8))) + "\n" for _ in range(n))
         (raw / f"{split}.de").write_text(lines)
         (raw / f"{split}.en").write_text(lines)
     out = tmp_path_factory.mktemp("copy-tok")
-    tokenize_corpus(load_config(None, ["tokenizer.vocab_size=290"]), data_dir=raw, out_dir=out, splits=["train", "valid"])
+    tokenize_corpus(load_config(None, [f"tokenizer.vocab_size={vocab_size}"]), data_dir=raw, out_dir=out,
+                    splits=["train", "valid"])
     return out
+
+
+@pytest.fixture(scope="session")
+def copy_data(tmp_path_factory) -> Path:
+    """A copy task (target = source) over 12 words, tokenized like any corpus."""
+    return copy_task(tmp_path_factory, seed=0, sizes=(400, 20), vocab_size=290)
 
 
 def run(data_dir: Path, run_dir: Path, *overrides: str) -> dict:
