@@ -171,12 +171,6 @@ def train(
         raise MtrainError("train: --data is missing; pass the folder written by `mtrain tokenize` (e.g. --data data/multi30k-tok)")
     if out is None and not dry_run:
         raise MtrainError("train: --out is missing; pass a run folder (e.g. --out runs/quickstart)")
-    if start is not None:  # before the run folder is made
-        from mtrain.data import TokenizedData
-
-        init.check_vocabulary(start, data, TokenizedData(data).tokenizer.to_state())
-        if out is not None:
-            init.check_resume(out, start)
     if cfg.data.weights:  # names that do not fit the data: one line before the run folder is made
         from mtrain.data import TokenizedData
 

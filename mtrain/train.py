@@ -32,7 +32,7 @@ from mtrain import distributed as dist_utils
 from mtrain import cpu, init
 from mtrain.atomic import atomic_write
 from mtrain.config import Config, to_dict, to_yaml
-from mtrain.data import target_tokens
+from mtrain.data import TokenizedData, target_tokens
 from mtrain.errors import MtrainError, first_line, is_lost_peer
 from mtrain.init import Start
 from mtrain.hardware import amp_note, precision_name, resolve_device
@@ -367,6 +367,10 @@ def train(cfg: Config, data_dir: str | Path, run_dir: str | Path | None, device:
         torch.cuda.set_device(torch_device)
     if cfg.train.num_threads > 0:
         torch.set_num_threads(cfg.train.num_threads)
+    if start is not None:  # before the run folder is made: a refusal leaves nothing behind
+        init.check_vocabulary(start, Path(data_dir), TokenizedData(data_dir).tokenizer.to_state())
+        if run_dir is not None:
+            init.check_resume(Path(run_dir), start)
     dist_utils.setup(info, torch_device)
     try:
         with contextlib.ExitStack() as stack:

@@ -37,7 +37,6 @@ from mtrain.hardware import cuda_index, resolve_amp
 from mtrain.loss import Objective, forward_backward
 from mtrain.cpu.model import accelerate
 from mtrain.model import Transformer
-from mtrain import init
 from mtrain.init import Start
 from mtrain.prefetch import Prefetcher, pin, to_device
 from mtrain.cpu.quantize import check_quantize
@@ -187,8 +186,7 @@ class Trainer:
         self.stream = BatchStream(self.train_split, self.tcfg.max_tokens, self.tcfg.seed, sampler=sampler,
                                   mixer=data.mixer(self.cfg.data, self.tcfg.seed, self.train_split))
         self._build_model()
-        if start is not None:
-            init.check_vocabulary(start, self.data_dir, self.tokenizer.to_state())
+        if start is not None:  # its vocabulary was checked against the data by mtrain.train.train
             self.model.load_state_dict(start.weights)
         # Each update's batches are collated (pinned, on a GPU) while the previous update computes.
         self.prefetch = Prefetcher(self.stream, self.dist.world_size * self.tcfg.update_freq, self._prepare)
