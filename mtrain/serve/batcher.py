@@ -36,7 +36,7 @@ class Request:
     lengths: list[int]  # source tokens of each line (capped to the model's max_len), for the budget
     finish: Finish
     arrived: float = dataclasses.field(default_factory=time.monotonic)
-    results: Hypotheses = dataclasses.field(default_factory=list)
+    results: Hypotheses = dataclasses.field(init=False)  # per line, filled as its batches finish
     taken: int = 0  # lines handed to a batch so far
     done: int = 0  # lines decoded
     cancelled: bool = False
