@@ -13,7 +13,7 @@ from mtrain.atomic import atomic_write
 # Fields of metrics.jsonl records measured on the machine rather than computed by the run (wall
 # clock; on a GPU the allocator's peak, which a resumed window's checkpoint load adds to): the only
 # ones that differ between two identical runs.
-TIME_FIELDS = frozenset({"tokens_per_s", "elapsed_s", "valid_s", "peak_memory_gib"})
+TIME_FIELDS = frozenset({"tokens_per_s", "elapsed_s", "train_s", "valid_s", "peak_memory_gib"})
 
 
 class MetricsLog:

@@ -1,8 +1,15 @@
 """The paper's learning-rate schedule (Vaswani et al. 2017, eq. 3): linear warmup, then
-inverse square root decay, optionally ending in a linear cooldown to zero. A pure function of
-the step, so resuming needs only the step."""
+inverse square root decay, optionally ending in a linear cooldown to zero. The cooldown is placed
+either in updates (train.cooldown_steps before train.max_steps) or in training time (the last
+train.cooldown_fraction of a train.max_time budget). A pure function of the step and the training
+seconds spent, both of which last.pt keeps, so a resumed run continues the same schedule."""
 
 from __future__ import annotations
+
+import math
+import re
+
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([hms])")
 
 
 def inverse_sqrt_lr(step: int, d_model: int, warmup_steps: int, scale: float = 1.0) -> float:
@@ -28,10 +35,45 @@ def cooldown_factor(step: int, max_steps: int, cooldown_steps: int) -> float:
     return min(1.0, max(0.0, (max_steps + 1 - step) / cooldown_steps))
 
 
+def time_cooldown_factor(seconds: float, budget: float, fraction: float) -> float:
+    """cooldown_factor in training time: 1 until `fraction` of the `budget` seconds is left, then a
+    linear fall to 0 at the budget. `seconds` is the training time spent before the update."""
+    if budget <= 0 or fraction <= 0:
+        return 1.0
+    return min(1.0, max(0.0, (budget - seconds) / (fraction * budget)))
+
+
 def lr_at(step: int, d_model: int, warmup_steps: int, scale: float = 1.0,
-          max_steps: int = 0, cooldown_steps: int = 0) -> float:
-    """The learning rate of update `step`: inverse_sqrt_lr times cooldown_factor."""
-    return inverse_sqrt_lr(step, d_model, warmup_steps, scale) * cooldown_factor(step, max_steps, cooldown_steps)
+          max_steps: int = 0, cooldown_steps: int = 0,
+          seconds: float = 0.0, max_time: float = 0.0, cooldown_fraction: float = 0.0) -> float:
+    """The learning rate of update `step`, `seconds` of training into the run: inverse_sqrt_lr
+    times the step cooldown and the time cooldown (each 1 when not set)."""
+    return (inverse_sqrt_lr(step, d_model, warmup_steps, scale) * cooldown_factor(step, max_steps, cooldown_steps)
+            * time_cooldown_factor(seconds, max_time, cooldown_fraction))
+
+
+def parse_duration(text: str) -> float:
+    """'2h', '45m', '1h30m', '1.5h', '90s' -> seconds; '' -> 0 (no budget). ValueError otherwise."""
+    cleaned = str(text).strip().lower()
+    if not cleaned:
+        return 0.0
+    parts = _DURATION.findall(cleaned)
+    if not parts or _DURATION.sub("", cleaned).strip():
+        raise ValueError(f"{text!r} is not a duration like 2h, 45m, 1h30m or 90s")
+    seconds = sum(float(number) * {"h": 3600, "m": 60, "s": 1}[unit] for number, unit in parts)
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"{text!r} is not a positive duration")
+    return seconds
+
+
+def format_duration(seconds: float) -> str:
+    """Seconds as 1h05m07s, 4m30s or 12s (whole seconds)."""
+    whole = int(round(seconds))
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m{secs:02d}s"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 def cooldown_patience_note(max_steps: int, cooldown_steps: int, patience: int) -> str | None:

@@ -40,8 +40,12 @@ from mtrain.lock import RunLock
 from mtrain.memory import release_free_memory
 from mtrain.plot import MetricsLog, plot_metrics
 from mtrain.resume import empty_window
-from mtrain.schedule import cooldown_patience_note
+from mtrain.schedule import cooldown_patience_note, format_duration
 from mtrain.trainer import Trainer
+
+
+# The clock train.max_time reads (tests replace it with one that advances a fixed time per update).
+clock = time.perf_counter
 
 
 def peak_memory(device: torch.device) -> dict[str, float]:
@@ -95,6 +99,7 @@ class Run:
         self.trackers = tracking.Trackers()  # train.log_to, on the main rank once open_trackers ran
         self.resume_step: int | None = None
         self.started = time.perf_counter()
+        self.mark = clock()  # the clock when state.train_seconds was last brought up to date
         self.failure: MtrainError | None = None  # a failed write on rank 0, waiting for the ranks to meet (DDP)
 
     # ------------------------------------------------------------ failed writes
@@ -117,12 +122,19 @@ class Run:
         return self.failure or MtrainError(f"rank 0 failed to write to {self.tr.run_dir}; see its error line, fix the "
                                            "cause and re-run the same command to resume")
 
-    def _flags(self, *flags: bool) -> list[bool]:
-        """Each flag raised on any rank (one collective for all of them)."""
+    def _meet(self, seconds: float, *flags: bool) -> tuple[float, list[bool]]:
+        """Once per update, one collective: the seconds this update took averaged over the ranks
+        (so that every rank's train.max_time schedule reads the same time) and each flag raised on
+        any rank."""
         if not self.tr.dist.enabled:
-            return list(flags)
-        values = torch.tensor([1.0 if f else 0.0 for f in flags], device=self.tr.device)
-        return [v > 0 for v in dist_utils.all_reduce_sum(values, self.tr.dist).tolist()]
+            return seconds, list(flags)
+        values = torch.tensor([seconds, *(1.0 if f else 0.0 for f in flags)], dtype=torch.float64, device=self.tr.device)
+        summed = dist_utils.all_reduce_sum(values, self.tr.dist).tolist()
+        return summed[0] / self.tr.dist.world_size, [v > 0 for v in summed[1:]]
+
+    def train_time(self) -> float:
+        """Training seconds so far, the time since the last update's end included."""
+        return self.tr.state.train_seconds + clock() - self.mark
 
     def start(self) -> None:
         tr = self.tr
@@ -145,6 +157,11 @@ class Run:
         note = cooldown_patience_note(tr.tcfg.max_steps, tr.tcfg.cooldown_steps, tr.tcfg.patience)
         if note and not resumed:
             tr.log(note)
+        if tr.budget:
+            cool = tr.budget * (1 - tr.tcfg.cooldown_fraction)
+            tr.log(f"time budget train.max_time={tr.tcfg.max_time}: the lr cools down from {format_duration(cool)} of "
+                   f"training and updates stop at {format_duration(tr.budget)} "
+                   f"({format_duration(tr.state.train_seconds)} trained so far)")
 
     def _prepare_folder(self, resumed: bool) -> None:
         """Rank 0: clear what killed writes left, write config.yaml, open metrics.jsonl."""
@@ -203,6 +220,7 @@ class Run:
                      "lr": stats["lr"], "grad_norm": stats["grad_norm"], "tokens_per_s": w["tokens"] / max(w["seconds"], 1e-9),
                      "nonfinite": self.tr.state.nonfinite_total,
                      "elapsed_s": round(time.perf_counter() - self.started, 1),  # since this process started
+                     "train_s": round(self.train_time(), 1),  # training time over all invocations (train.max_time)
                      **peak_memory(self.tr.device)})
         self.tr.state.window = empty_window()
 
@@ -227,6 +245,7 @@ class Run:
         began = time.perf_counter()
         result = tr.validate()
         result["valid_s"] = round(time.perf_counter() - began, 1)
+        result["train_s"] = round(self.train_time(), 1)  # training time at the end of this validation
         improved = result["bleu"] > s.best_bleu
         if improved:
             s.best_bleu, s.best_step, s.bad_evals = result["bleu"], s.step, 0
@@ -267,15 +286,26 @@ class Run:
                 self.fail(err)
         self.tr.save_last(with_step_file, average, failure=self.failure)
 
-    def loop(self, stop_signal: StopSignal) -> str:
-        """Updates until max_steps, early stopping or a signal. Returns why it stopped."""
-        tr, t = self.tr, self.tr.tcfg
+    def progress_bar(self) -> tqdm:
+        """Updates out of max_steps, or with train.max_time, training seconds out of the budget."""
+        tr = self.tr
+        total, done, unit = ((round(tr.budget), round(tr.state.train_seconds), "s") if tr.budget
+                             else (tr.tcfg.max_steps, tr.state.step, "step"))
         # Redirected to a file (nohup, SLURM), redraw rarely instead of ten times a second.
-        bar = tqdm(total=t.max_steps, initial=tr.state.step, unit="step", file=sys.stderr, dynamic_ncols=True,
-                   mininterval=0.5 if sys.stderr.isatty() else 30.0, disable=not tr.dist.is_main)
+        return tqdm(total=total, initial=min(done, total), unit=unit, file=sys.stderr, dynamic_ncols=True,
+                    mininterval=0.5 if sys.stderr.isatty() else 30.0, disable=not tr.dist.is_main)
+
+    def loop(self, stop_signal: StopSignal) -> str:
+        """Updates until max_steps, the time budget, early stopping or a signal. Returns why it stopped."""
+        tr, t = self.tr, self.tr.tcfg
+        bar = self.progress_bar()
         reason = "max_steps"
+        self.mark = clock()  # time before the loop (start-up, a resume's restart) is not training time
         try:
             while tr.state.step < t.max_steps:
+                if tr.budget and tr.state.train_seconds >= tr.budget:
+                    reason = "max_time"
+                    break
                 start = time.perf_counter()
                 stats = tr.train_step()
                 if stats is None:
@@ -286,7 +316,8 @@ class Run:
                 tr.state.nonfinite_run = 0
                 seconds = time.perf_counter() - start
                 self.log_window(stats, seconds)
-                bar.update(1)
+                if not tr.budget:
+                    bar.update(1)
                 bar.set_postfix(loss=f"{stats['loss'] / stats['tokens']:.3f}", lr=f"{stats['lr']:.2e}",
                                 tok_s=f"{stats['tokens'] / seconds:.0f}", refresh=False)
                 step = tr.state.step
@@ -297,7 +328,13 @@ class Run:
                     if early and step % t.eval_every == 0:  # the end's own validation stops nothing early
                         reason = "early_stopping"
                         break
-                interrupted, failed = self._flags(stop_signal.signum is not None, self.failure is not None)
+                now = clock()
+                spent, (interrupted, failed) = self._meet(now - self.mark, stop_signal.signum is not None,
+                                                         self.failure is not None)
+                self.mark = now
+                tr.state.train_seconds += spent  # before saving: last.pt holds the time up to its own step
+                if tr.budget:
+                    bar.update(min(spent, bar.total - bar.n))
                 if failed:
                     raise self._failure_error()
                 if interrupted:
@@ -423,10 +460,15 @@ def _run(trainer: Trainer) -> dict[str, Any]:
     run.start()
     s, t = trainer.state, trainer.tcfg
     early_stopped = s.finished == "early_stopping" and 0 < t.patience <= s.bad_evals
-    if s.finished and (early_stopped or s.step >= t.max_steps):
-        trainer.log(f"{trainer.run_dir / 'last.pt'}: this run already ended at step {s.step} ({s.finished}); "
-                    "raise train.max_steps (or train.patience) to train further")
+    spent = bool(trainer.budget) and s.train_seconds >= trainer.budget
+    if s.finished and (early_stopped or s.step >= t.max_steps or spent):
+        trainer.log(f"{trainer.run_dir / 'last.pt'}: this run already ended at step {s.step} ({s.finished}, "
+                    f"{format_duration(s.train_seconds)} of training); raise train.max_steps, train.max_time or "
+                    "train.patience to train further")
         return _summary(trainer, "done", None)
+    if spent:
+        trainer.log(f"train.max_time={t.max_time} is spent ({format_duration(s.train_seconds)} trained, to step "
+                    f"{s.step}): no more updates; the final validation and averaged.pt follow")
     s.finished = ""
     trainer.model.train()
     run.open_trackers()
@@ -434,7 +476,10 @@ def _run(trainer: Trainer) -> dict[str, Any]:
     try:
         with StopSignal() as stop_signal:
             # A run killed during finish() resumes straight into it (step == max_steps, not finished).
-            reason = run.loop(stop_signal) if s.step < t.max_steps else "max_steps"
+            if spent:
+                reason = "max_time"
+            else:
+                reason = run.loop(stop_signal) if s.step < t.max_steps else "max_steps"
             if reason == "interrupted":
                 trainer.log(f"stopped at step {s.step}; {trainer.run_dir / 'last.pt'} saved; "
                             "re-run the same command to resume")

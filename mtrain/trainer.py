@@ -41,7 +41,7 @@ from mtrain.init import Start
 from mtrain.prefetch import Prefetcher, pin, to_device
 from mtrain.cpu.quantize import check_quantize
 from mtrain.resume import TrainState, rng_state, set_rng_state
-from mtrain.schedule import lr_at
+from mtrain.schedule import lr_at, parse_duration
 from mtrain.tokenizer import PAD_ID, Tokenizer
 from mtrain.translate import decoding_model, translate_lines
 
@@ -178,6 +178,7 @@ class Trainer:
         self.valid_split = data.split(self.cfg.data.valid_split)
         self.cfg = self._resolve_max_tokens(self.cfg)  # train.max_tokens=auto: a number from here on
         self.tcfg = self.cfg.train
+        self.budget = parse_duration(self.tcfg.max_time)  # seconds; 0 = no time budget
         self.state = TrainState()
         sampler = None
         if self.tcfg.sampling_alpha > 0:
@@ -389,7 +390,8 @@ class Trainer:
         if not math.isfinite(sums[0]):
             self.optimizer.zero_grad(set_to_none=True)
             return None
-        lr = lr_at(step, self.cfg.model.d_model, t.warmup_steps, t.lr_scale, t.max_steps, t.cooldown_steps)
+        lr = lr_at(step, self.cfg.model.d_model, t.warmup_steps, t.lr_scale, t.max_steps, t.cooldown_steps,
+                   self.state.train_seconds, self.budget, t.cooldown_fraction)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         grad_norm = self._clip_and_step()

@@ -129,6 +129,7 @@ def test_exact_resume_is_bit_identical(copy_data, tmp_path, stop_at_step, extra)
     assert all(torch.equal(moments_a[i]["exp_avg_sq"], moments_b[i]["exp_avg_sq"]) for i in moments_a)
     state_a, state_b = a["train_state"]["state"], b["train_state"]["state"]
     window_a, window_b = state_a.pop("window"), state_b.pop("window")
+    assert state_a.pop("train_seconds") > 0 and state_b.pop("train_seconds") > 0  # wall time
     assert state_a == state_b
     window_a.pop("seconds"), window_b.pop("seconds")  # wall time, the one thing that may differ
     assert window_a == window_b

@@ -1,0 +1,148 @@
+"""train.max_time: the lr cooldown placed in training time, the stop at the budget, the final
+validation and averaging, and exact resume. A fake clock makes each update take exactly 10
+seconds, so every lr and every stop below is derived by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from mtrain import checkpoint
+from mtrain.config import load_config
+from mtrain.errors import MtrainError
+from mtrain.schedule import format_duration, inverse_sqrt_lr, lr_at, parse_duration, time_cooldown_factor
+from test_train import copy_data, run  # noqa: F401  (copy_data: the copy-task corpus fixture)
+
+UPDATE_SECONDS = 10.0
+BUDGET = ["train.max_time=60s", "train.cooldown_fraction=0.5", "train.max_steps=100", "train.log_every=1",
+          "train.save_every=2", "train.eval_every=100", "train.average_last=2"]
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """mtrain.train's clock, advanced 10 s by each optimizer update and by nothing else
+    (validation, saving and start-up take no fake time); returns the mutable [now]."""
+    import mtrain.train as train_module
+    from mtrain.trainer import Trainer
+
+    now = [1000.0]
+    update = Trainer._update
+
+    def timed_update(self, *args):
+        stats = update(self, *args)
+        now[0] += UPDATE_SECONDS
+        return stats
+
+    monkeypatch.setattr(Trainer, "_update", timed_update)
+    monkeypatch.setattr(train_module, "clock", lambda: now[0])
+    return now
+
+
+def metrics(run_dir, event: str) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["event"] == event]
+
+
+# ---------------------------------------------------------------- the schedule alone
+
+def test_time_cooldown_is_a_pure_function_of_training_time():
+    """Budget 100 s, cooldown 0.25 of it: lr factor 1 until 75 s, then (100 - t) / 25, 0 at the budget."""
+    assert [time_cooldown_factor(t, 100, 0.25) for t in (0, 50, 75, 80, 90, 99, 100, 130)] == \
+        pytest.approx([1, 1, 1, 0.8, 0.4, 0.04, 0, 0])
+    assert time_cooldown_factor(10_000, 0, 0.25) == time_cooldown_factor(99, 100, 0) == 1.0  # no budget / no cooldown
+    # lr_at multiplies it into the paper's schedule; the same (step, seconds) always gives the same lr.
+    assert lr_at(40, 256, 10, 0.5, seconds=90, max_time=100, cooldown_fraction=0.25) == \
+        pytest.approx(inverse_sqrt_lr(40, 256, 10, 0.5) * 0.4, rel=1e-12)
+    assert lr_at(40, 256, 10, 0.5, seconds=90) == inverse_sqrt_lr(40, 256, 10, 0.5)
+
+
+@pytest.mark.parametrize("text,seconds", [("2h", 7200), ("45m", 2700), ("1h30m", 5400), ("1.5h", 5400),
+                                          ("90s", 90), (" 1h 5m ", 3900), ("", 0)])
+def test_durations(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["2", "h", "2x", "0m", "-1h", "1h-", "two hours"])
+def test_a_bad_duration_is_one_line_with_an_example(text):
+    with pytest.raises(MtrainError, match=r"^train\.max_time: .* e\.g\. --set train\.max_time=2h$"):
+        load_config(None, [f"train.max_time={text}"])
+
+
+def test_two_cooldowns_are_refused():
+    with pytest.raises(MtrainError, match=r"train\.max_time places the lr cooldown in time.*cooldown_steps=0"):
+        load_config(None, ["train.max_time=1h", "train.cooldown_steps=100"])
+
+
+def test_format_duration():
+    assert [format_duration(s) for s in (12, 270, 3907, 7200)] == ["12s", "4m30s", "1h05m07s", "2h00m00s"]
+
+
+# ---------------------------------------------------------------- a run to a budget
+
+def test_a_run_ends_at_its_budget_with_the_lr_cooled_down_in_time(copy_data, tmp_path, fake_clock):
+    """60 s at 10 s an update: 6 updates; update k starts 10(k-1) s in, so the cooldown (the last
+    half, from 30 s) scales updates 4, 5 and 6 by 30/30, 20/30 and 10/30. Then the final
+    validation and averaged.pt of the last two step files, as at max_steps."""
+    result = run(copy_data, tmp_path, *BUDGET)
+    assert (result["stopped"], result["step"]) == ("max_time", 6)
+    lrs = [r["lr"] for r in metrics(tmp_path, "train")]
+    expected = [inverse_sqrt_lr(k, 32, 10, 0.5) * min(1.0, (60 - 10 * (k - 1)) / 30) for k in range(1, 7)]
+    assert lrs == pytest.approx(expected, rel=1e-12)
+    assert [r["train_s"] for r in metrics(tmp_path, "train")] == [10 * k for k in range(1, 7)]
+    assert [r["step"] for r in metrics(tmp_path, "valid")] == [6]
+    last = checkpoint.load(tmp_path / "last.pt")
+    assert last["train_state"]["state"]["finished"] == "max_time"
+    assert last["train_state"]["state"]["train_seconds"] == 60
+    assert [p.rsplit("/", 1)[-1] for p in checkpoint.load(tmp_path / "averaged.pt")["averaged_from"]] == \
+        ["step-4.pt", "step-6.pt"]
+
+
+def test_resume_within_a_budget_is_bit_identical(copy_data, tmp_path, fake_clock, stop_at_step):
+    """Stopped at update 3 (30 s in, the cooldown's start), restarted after an hour's gap that is
+    not training time: every weight, Adam moment, lr and the time spent equal an uninterrupted run's."""
+    full = run(copy_data, tmp_path / "full", *BUDGET)
+    stop_at_step(3)
+    assert run(copy_data, tmp_path / "split", *BUDGET)["stopped"] == "interrupted"
+    assert checkpoint.load(tmp_path / "split" / "last.pt")["train_state"]["state"]["train_seconds"] == 30
+    stop_at_step(None)
+    fake_clock[0] += 3600.0
+    resumed = run(copy_data, tmp_path / "split", *BUDGET)
+    assert (resumed["stopped"], resumed["step"]) == (full["stopped"], full["step"]) == ("max_time", 6)
+    a, b = (checkpoint.load(tmp_path / d / "last.pt") for d in ("full", "split"))
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    moments_a, moments_b = a["train_state"]["optimizer"]["state"], b["train_state"]["optimizer"]["state"]
+    assert all(torch.equal(moments_a[i]["exp_avg_sq"], moments_b[i]["exp_avg_sq"]) for i in moments_a)
+    assert a["train_state"]["state"]["train_seconds"] == b["train_state"]["state"]["train_seconds"] == 60
+    assert [r["lr"] for r in metrics(tmp_path / "full", "train")] == [r["lr"] for r in metrics(tmp_path / "split", "train")]
+
+
+def test_a_spent_budget_ends_the_run_at_once_in_one_line(copy_data, tmp_path, fake_clock, stop_at_step, capsys):
+    """Stopped 30 s in, resumed with a 20 s budget: no update; one line says the budget is spent,
+    and the run finishes (validation, averaged.pt). Re-run again: one line, nothing more."""
+    stop_at_step(3)
+    run(copy_data, tmp_path, *BUDGET)
+    stop_at_step(None)
+    capsys.readouterr()
+    spent = [*BUDGET, "train.max_time=20s"]
+    result = run(copy_data, tmp_path, *spent)
+    assert (result["stopped"], result["step"]) == ("max_time", 3)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train.max_time=")]
+    assert lines == ["train.max_time=20s is spent (30s trained, to step 3): no more updates; "
+                     "the final validation and averaged.pt follow"]
+    assert (tmp_path / "averaged.pt").is_file() and [r["step"] for r in metrics(tmp_path, "train")] == [1, 2, 3]
+    again = run(copy_data, tmp_path, *spent)
+    assert (again["stopped"], again["step"]) == ("done", 3)
+    ended = [line for line in capsys.readouterr().err.splitlines() if "already ended" in line]
+    assert len(ended) == 1 and "(max_time, 30s of training)" in ended[0] and "train.max_time" in ended[0]
+
+
+def test_a_larger_budget_trains_on(copy_data, tmp_path, fake_clock):
+    """A finished 60 s run re-run with 80 s: two more updates, its cooldown recomputed for 80 s."""
+    run(copy_data, tmp_path, *BUDGET)
+    result = run(copy_data, tmp_path, *BUDGET, "train.max_time=80s")
+    assert (result["stopped"], result["step"]) == ("max_time", 8)
+    lrs = {r["step"]: r["lr"] for r in metrics(tmp_path, "train")}
+    assert lrs[8] == pytest.approx(inverse_sqrt_lr(8, 32, 10, 0.5) * 10 / 40, rel=1e-12)
+    assert math.isclose(checkpoint.load(tmp_path / "last.pt")["train_state"]["state"]["train_seconds"], 80)
