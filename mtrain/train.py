@@ -291,9 +291,11 @@ class Run:
         tr = self.tr
         total, done, unit = ((round(tr.budget), round(tr.state.train_seconds), "s") if tr.budget
                              else (tr.tcfg.max_steps, tr.state.step, "step"))
+        # Training seconds are floats: shown whole, without tqdm's own rate (seconds per second).
+        shape = "{l_bar}{bar}| {n:.0f}/{total} s of training [{elapsed}<{remaining}{postfix}]" if tr.budget else None
         # Redirected to a file (nohup, SLURM), redraw rarely instead of ten times a second.
         return tqdm(total=total, initial=min(done, total), unit=unit, file=sys.stderr, dynamic_ncols=True,
-                    mininterval=0.5 if sys.stderr.isatty() else 30.0, disable=not tr.dist.is_main)
+                    bar_format=shape, mininterval=0.5 if sys.stderr.isatty() else 30.0, disable=not tr.dist.is_main)
 
     def loop(self, stop_signal: StopSignal) -> str:
         """Updates until max_steps, the time budget, early stopping or a signal. Returns why it stopped."""

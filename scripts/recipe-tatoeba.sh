@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The Tatoeba de->en recipe, one command: venv -> tokenize -> train to a time budget -> score -> report.
+#   scripts/recipe-tatoeba.sh [extra `mtrain train` options, e.g. --set train.max_time=1h]
+# Data: data/tatoeba-de-en/ (copied from ../shared/corpora/tatoeba-de-en when the checkout sits beside it).
+# Tokenized with --drop-overlap: training pairs that also occur in valid or test are dropped, and the
+# counts are in $TOK/stats.json (overlap) and the report.
+# Training stops at the config's train.max_time (training time over every resumed invocation), cools
+# the lr down over its last part and averages its last checkpoints; re-running the command resumes an
+# interrupted run, and a finished one is only scored (each test set once: its .json is kept).
+# Writes $RUN/{averaged.pt, <test>.hyp, <test>.json, results.json, bleu_vs_time.csv}.
+# RUN=... and TOK=... override the run and tokenized-data folders; CONFIG=... the config.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CONFIG=${CONFIG:-configs/tatoeba-de-en.yaml}
+TOK=${TOK:-data/tatoeba-tok}
+RUN=${RUN:-runs/tatoeba-de-en}
+TESTS=(test flores200-devtest newstest2014)
+
+. scripts/setup_env.sh ''
+SHARED=../shared/corpora/tatoeba-de-en
+if [ ! -f data/tatoeba-de-en/train.de ]; then
+    if [ ! -f "$SHARED/train.de" ]; then
+        echo "no data/tatoeba-de-en/train.de: copy the corpus there (train, valid, test, flores200-devtest, newstest2014 .de/.en)" >&2
+        exit 2
+    fi
+    mkdir -p data/tatoeba-de-en
+    cp "$SHARED"/*.de "$SHARED"/*.en data/tatoeba-de-en/
+fi
+[ -f "$TOK/meta.json" ] || mtrain tokenize --config "$CONFIG" --data data/tatoeba-de-en --src de --tgt en \
+    --splits "train,valid,$(IFS=,; echo "${TESTS[*]}")" --drop-overlap --out "$TOK"
+
+mtrain train --config "$CONFIG" --data "$TOK" --out "$RUN" "$@"
+
+LENPEN=$(python -c "from mtrain.config import load_config; print(load_config('$RUN/config.yaml').decode.lenpen)")
+for test in "${TESTS[@]}"; do
+    [ -f "$RUN/$test.json" ] && continue  # scored once
+    echo "scoring $RUN/averaged.pt on $test (beam 5, lenpen $LENPEN)" >&2
+    mtrain eval --checkpoint "$RUN/averaged.pt" --src "$TOK/$test.src.txt" --ref "$TOK/$test.tgt.txt" \
+        --beam 5 --lenpen "$LENPEN" --output-hyp "$RUN/$test.hyp" --json > "$RUN/$test.json.tmp"
+    mv "$RUN/$test.json.tmp" "$RUN/$test.json"
+done
+python scripts/corpus_report.py --run "$RUN" --data "$TOK" --tests "${TESTS[@]}"
