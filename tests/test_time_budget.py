@@ -146,3 +146,16 @@ def test_a_larger_budget_trains_on(copy_data, tmp_path, fake_clock):
     lrs = {r["step"]: r["lr"] for r in metrics(tmp_path, "train")}
     assert lrs[8] == pytest.approx(inverse_sqrt_lr(8, 32, 10, 0.5) * 10 / 40, rel=1e-12)
     assert math.isclose(checkpoint.load(tmp_path / "last.pt")["train_state"]["state"]["train_seconds"], 80)
+
+
+def test_cli_max_time_flag():
+    """--max-time sets train.max_time; a bad one is one line, no traceback."""
+    from typer.testing import CliRunner
+
+    from mtrain.cli import app
+
+    shown = CliRunner().invoke(app, ["train", "--max-time", "1h30m", "--print-config"])
+    assert shown.exit_code == 0 and "max_time: 1h30m" in shown.output
+    bad = CliRunner().invoke(app, ["train", "--max-time", "90", "--print-config"])
+    assert bad.exit_code != 0 and "Traceback" not in bad.output
+    assert "train.max_time: '90' is not a duration like 2h, 45m, 1h30m or 90s" in bad.output
