@@ -8,25 +8,26 @@
 # the lr down over its last part and averages its last checkpoints; re-running the command resumes an
 # interrupted run, and a finished one is only scored (each test set once: its .json is kept).
 # Writes $RUN/{averaged.pt, <test>.hyp, <test>.json, results.json, bleu_vs_time.csv}.
-# RUN=... and TOK=... override the run and tokenized-data folders; CONFIG=... the config.
+# RUN=..., TOK=... and DATA=... override the run, tokenized-data and corpus folders; CONFIG=... the config.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=${CONFIG:-configs/tatoeba-de-en.yaml}
 TOK=${TOK:-data/tatoeba-tok}
+DATA=${DATA:-data/tatoeba-de-en}
 RUN=${RUN:-runs/tatoeba-de-en}
 TESTS=(test flores200-devtest newstest2014)
 
 . scripts/setup_env.sh ''
 SHARED=../shared/corpora/tatoeba-de-en
-if [ ! -f data/tatoeba-de-en/train.de ]; then
-    if [ ! -f "$SHARED/train.de" ]; then
-        echo "no data/tatoeba-de-en/train.de: copy the corpus there (train, valid, test, flores200-devtest, newstest2014 .de/.en)" >&2
+if [ ! -f "$DATA/train.de" ]; then
+    if [ "$DATA" != data/tatoeba-de-en ] || [ ! -f "$SHARED/train.de" ]; then
+        echo "no $DATA/train.de: copy the corpus there (train, valid, $(IFS=,; echo "${TESTS[*]}") as .de and .en files)" >&2
         exit 2
     fi
-    mkdir -p data/tatoeba-de-en
-    cp "$SHARED"/*.de "$SHARED"/*.en data/tatoeba-de-en/
+    mkdir -p "$DATA"
+    cp "$SHARED"/*.de "$SHARED"/*.en "$DATA"/
 fi
-[ -f "$TOK/meta.json" ] || mtrain tokenize --config "$CONFIG" --data data/tatoeba-de-en --src de --tgt en \
+[ -f "$TOK/meta.json" ] || mtrain tokenize --config "$CONFIG" --data "$DATA" --src de --tgt en \
     --splits "train,valid,$(IFS=,; echo "${TESTS[*]}")" --drop-overlap --out "$TOK"
 
 mtrain train --config "$CONFIG" --data "$TOK" --out "$RUN" "$@"
