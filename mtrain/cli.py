@@ -151,7 +151,7 @@ def train(
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N (auto: cuda when available)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Build data and model, print a JSON summary (parameters, batches) and exit."),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Optimizer updates (train.max_steps)."),
-    max_time: Optional[str] = typer.Option(None, "--max-time", help="Train to a time budget, e.g. 2h, 45m, 1h30m (train.max_time): the lr cools down over its last third, the run stops and averages at it."),
+    max_time: Optional[str] = typer.Option(None, "--max-time", help="Train to a time budget, e.g. 2h, 45m, 1h30m (train.max_time): the lr cools down over its last train.cooldown_fraction (a third), and the run ends at it as at max_steps."),
     init_from: Optional[Path] = typer.Option(None, "--init-from", help="Start a new run from this checkpoint's weights and model section (fine-tuning): a fresh optimizer and lr schedule; --data must be tokenized with its vocabulary (tokenize --spm-from CKPT)."),
     config: Optional[Path] = ConfigOpt,
     overrides: Optional[List[str]] = SetOpt,

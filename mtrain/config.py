@@ -101,7 +101,7 @@ class TrainConfig:
     lr_scale: float = 1.0  # lr = lr_scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
     cooldown_steps: int = 0  # > 0: over the last cooldown_steps updates before max_steps, lr falls linearly to ~0
     # A training-time budget, e.g. 2h, 45m, 1h30m ('' = none): the run stops once it has trained this
-    # long (validation and saving included, over every resumed invocation; start-up not counted),
+    # long (validation included, over every resumed invocation; start-up and saving not counted),
     # with the lr falling linearly to 0 over the last cooldown_fraction of it, then validates and
     # averages as at max_steps. max_steps still caps the updates.
     max_time: str = ""

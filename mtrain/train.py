@@ -132,6 +132,15 @@ class Run:
         summed = dist_utils.all_reduce_sum(values, self.tr.dist).tolist()
         return summed[0] / self.tr.dist.world_size, [v > 0 for v in summed[1:]]
 
+    def account(self, *flags: bool) -> list[bool]:
+        """Add the training time since the last call to state.train_seconds (the same on every
+        rank) and return each flag raised on any rank."""
+        now = clock()
+        spent, raised = self._meet(now - self.mark, *flags)
+        self.mark = now
+        self.tr.state.train_seconds += spent
+        return raised
+
     def train_time(self) -> float:
         """Training seconds so far, the time since the last update's end included."""
         return self.tr.state.train_seconds + clock() - self.mark
@@ -157,6 +166,9 @@ class Run:
         note = cooldown_patience_note(tr.tcfg.max_steps, tr.tcfg.cooldown_steps, tr.tcfg.patience)
         if note and not resumed:
             tr.log(note)
+        if tr.budget and tr.tcfg.patience > 0 and not resumed:
+            tr.log(f"note: early stopping (train.patience={tr.tcfg.patience}) can end the run before its lr cooldown; "
+                   "--set train.patience=0 always runs it")
         if tr.budget:
             cool = tr.budget * (1 - tr.tcfg.cooldown_fraction)
             tr.log(f"time budget train.max_time={tr.tcfg.max_time}: the lr cools down from {format_duration(cool)} of "
@@ -322,23 +334,20 @@ class Run:
                     bar.update(1)
                 bar.set_postfix(loss=f"{stats['loss'] / stats['tokens']:.3f}", lr=f"{stats['lr']:.2e}",
                                 tok_s=f"{stats['tokens'] / seconds:.0f}", refresh=False)
-                step = tr.state.step
+                step, early = tr.state.step, False
                 # The last update validates here too, before its last.pt: a validation after the
                 # last.pt of its own step would be redone, and logged twice, by a resumed run.
                 if step % t.eval_every == 0 or step == t.max_steps:
-                    early = self.validate()
-                    if early and step % t.eval_every == 0:  # the end's own validation stops nothing early
-                        reason = "early_stopping"
-                        break
-                now = clock()
-                spent, (interrupted, failed) = self._meet(now - self.mark, stop_signal.signum is not None,
-                                                         self.failure is not None)
-                self.mark = now
-                tr.state.train_seconds += spent  # before saving: last.pt holds the time up to its own step
+                    # the end's own validation stops nothing early
+                    early = self.validate() and step % t.eval_every == 0
+                interrupted, failed = self.account(stop_signal.signum is not None, self.failure is not None)
                 if tr.budget:
-                    bar.update(min(spent, bar.total - bar.n))
+                    bar.update(min(tr.state.train_seconds, bar.total) - bar.n)
                 if failed:
                     raise self._failure_error()
+                if early:
+                    reason = "early_stopping"
+                    break
                 if interrupted:
                     self.plot()  # before last.pt, like every write
                 if step % t.save_every == 0 or interrupted:
@@ -347,17 +356,21 @@ class Run:
                     release_free_memory()  # what validation and saving freed, and the steps' holes since
                 if interrupted:
                     return "interrupted"
+                # Saving is not training time: last.pt cannot hold the time of its own write, so
+                # counting it would give a resumed run less time than an uninterrupted one.
+                self.mark = clock()
         finally:
             bar.close()
         return reason
 
     def finish(self, reason: str) -> None:
-        """Final validation (if the last step had none: the loop validates at max_steps, so only a
-        run resumed at a lowered max_steps), plot, then step file, averaged.pt and last.pt: a
+        """Final validation (if the last step had none: after train.max_time, or a run resumed at a
+        lowered max_steps; the loop validates at max_steps itself), plot, then step file, averaged.pt and last.pt: a
         last.pt that says the run finished comes after every other file of the run."""
         tr, s = self.tr, self.tr.state
         if s.last_eval_step != s.step:
             self.validate()
+        self.account()  # the final validation is training time too
         self.plot()
         # Always rewrite last.pt: the final validation changed best/early-stopping state.
         s.finished = reason
@@ -470,7 +483,8 @@ def _run(trainer: Trainer) -> dict[str, Any]:
         return _summary(trainer, "done", None)
     if spent:
         trainer.log(f"train.max_time={t.max_time} is spent ({format_duration(s.train_seconds)} trained, to step "
-                    f"{s.step}): no more updates; the final validation and averaged.pt follow")
+                    f"{s.step}): no more updates; the run ends with its final validation"
+                    + (" and averaged.pt" if t.average_last > 0 else ""))
     s.finished = ""
     trainer.model.train()
     run.open_trackers()
@@ -479,6 +493,7 @@ def _run(trainer: Trainer) -> dict[str, Any]:
         with StopSignal() as stop_signal:
             # A run killed during finish() resumes straight into it (step == max_steps, not finished).
             if spent:
+                run.mark = clock()  # start-up is not training time
                 reason = "max_time"
             else:
                 reason = run.loop(stop_signal) if s.step < t.max_steps else "max_steps"

@@ -1,6 +1,6 @@
-"""A corpus recipe's report (scripts/recipe-tatoeba.sh, recipe-mixed.sh): RUN/results.json with each
-test set's scores and signatures, the training time and steps, the overlap the tokenizer dropped and
-the machine; RUN/bleu_vs_time.csv, the validation BLEU against training time (the train_s that
+"""A corpus recipe's report (scripts/recipe-tatoeba.sh): RUN/results.json with each test set's scores
+and signatures, the training time and steps, the evaluation pairs found in train (and so dropped
+from it) and the machine; RUN/bleu_vs_time.csv, the validation BLEU against training time (the train_s that
 mtrain train logs, summed over resumed invocations, validation included). Prints a Markdown table.
 
     python scripts/corpus_report.py --run runs/tatoeba-de-en --data data/tatoeba-tok --tests test flores200-devtest
@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from mtrain.plot import read_metrics
-from recipe_report import hardware, trained_with
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # recipe_report, beside this script
+from recipe_report import hardware, trained_with  # noqa: E402
 
 
 def curve(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -39,7 +41,7 @@ def results(run: Path, data: Path, tests: list[str]) -> dict[str, Any]:
         "tests": {t: {k: s[k] for k in ("bleu", "chrf", "ter", "n_lines", "signatures")} for t, s in scores.items()},
         "final_valid_bleu_greedy": valid[-1]["bleu"] if valid else None,
         "steps": state["step"], "stopped": state["finished"],
-        "train_minutes": round(state["train_seconds"] / 60, 1),
+        "train_minutes": round(state.get("train_seconds", 0.0) / 60, 1),
         "train_pairs": stats["cleaning"]["kept_pairs"], "dropped": stats["cleaning"]["dropped"],
         "overlap_pairs": {split: o["pairs"] for split, o in stats.get("overlap", {}).items()},
         "config": json.loads(json.dumps(_config(run))),

@@ -75,7 +75,7 @@ def test_recipe_script_end_to_end_on_a_small_corpus(multi30k_dir, tmp_path):
         assert len((run / f"{test}.hyp").read_text(encoding="utf-8").splitlines()) == b - a
     with open(run / "bleu_vs_time.csv", encoding="utf-8") as handle:
         rows = list(csv.DictReader(handle))
-    assert rows and float(rows[-1]["train_min"]) * 60 >= 20
+    assert rows and float(rows[-1]["train_min"]) * 60 >= 19.5  # the final validation, past the budget (0.01 min steps)
     scored = {t: (run / f"{t}.json").stat().st_mtime_ns for t in TESTS}
     again = subprocess.run(script, capture_output=True, text=True, env=env)
     assert again.returncode == 0, again.stderr[-2000:]

@@ -99,6 +99,32 @@ def test_a_run_ends_at_its_budget_with_the_lr_cooled_down_in_time(copy_data, tmp
         ["step-4.pt", "step-6.pt"]
 
 
+def test_validation_is_training_time_and_saving_is_not(copy_data, tmp_path, fake_clock, monkeypatch):
+    """Validations take 5 s and saves 7 s, every 2 updates. Training time at each update's start:
+    0, 10, 25 (update 2 and its validation), 35, 50; update 5 ends at 60 = the budget, and the final
+    validation makes 65. Saves never count: last.pt cannot hold the time of its own write."""
+    from mtrain.trainer import Trainer
+
+    validate, save_last = Trainer.validate, Trainer.save_last
+
+    def slow(method, seconds):
+        def run_it(self, *args, **kwargs):
+            result = method(self, *args, **kwargs)
+            fake_clock[0] += seconds
+            return result
+        return run_it
+
+    monkeypatch.setattr(Trainer, "validate", slow(validate, 5.0))
+    monkeypatch.setattr(Trainer, "save_last", slow(save_last, 7.0))
+    result = run(copy_data, tmp_path, *BUDGET, "train.eval_every=2")
+    assert (result["stopped"], result["step"]) == ("max_time", 5)
+    started = [0, 10, 25, 35, 50]
+    expected = [inverse_sqrt_lr(k, 32, 10, 0.5) * min(1.0, (60 - t) / 30) for k, t in enumerate(started, 1)]
+    assert [r["lr"] for r in metrics(tmp_path, "train")] == pytest.approx(expected, rel=1e-12)
+    assert [(r["step"], r["train_s"]) for r in metrics(tmp_path, "valid")] == [(2, 25), (4, 50), (5, 65)]
+    assert checkpoint.load(tmp_path / "last.pt")["train_state"]["state"]["train_seconds"] == 65
+
+
 def test_resume_within_a_budget_is_bit_identical(copy_data, tmp_path, fake_clock, stop_at_step):
     """Stopped at update 3 (30 s in, the cooldown's start), restarted after an hour's gap that is
     not training time: every weight, Adam moment, lr and the time spent equal an uninterrupted run's."""
@@ -130,7 +156,7 @@ def test_a_spent_budget_ends_the_run_at_once_in_one_line(copy_data, tmp_path, fa
     assert (result["stopped"], result["step"]) == ("max_time", 3)
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train.max_time=")]
     assert lines == ["train.max_time=20s is spent (30s trained, to step 3): no more updates; "
-                     "the final validation and averaged.pt follow"]
+                     "the run ends with its final validation and averaged.pt"]
     assert (tmp_path / "averaged.pt").is_file() and [r["step"] for r in metrics(tmp_path, "train")] == [1, 2, 3]
     again = run(copy_data, tmp_path, *spent)
     assert (again["stopped"], again["step"]) == ("done", 3)
