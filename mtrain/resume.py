@@ -71,8 +71,8 @@ class TrainState:
     nonfinite_run: int = 0  # consecutive skipped updates
     nonfinite_total: int = 0
     finished: str = ""  # why the last run ended ("max_steps", "max_time", "early_stopping") once finish() saved
-    # Training wall time over every invocation, up to the end of the last update (its validation
-    # and save included): what train.max_time's schedule and stop read.
+    # Training wall time over every invocation, up to the end of the last update and its
+    # validation (start-up and saving not counted): what train.max_time's schedule and stop read.
     train_seconds: float = 0.0
     # Sums since the last train log line; in the checkpoint so a resumed run logs the same numbers.
     # "seconds" is time inside updates only, so tokens/s skips validation, saving and the restart gap.

@@ -76,11 +76,19 @@ def format_duration(seconds: float) -> str:
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
-def cooldown_patience_note(max_steps: int, cooldown_steps: int, patience: int) -> str | None:
-    """A log line when early stopping may end the run before its cooldown has started (or
-    finished), which would leave the still-large inverse-sqrt lr that the cooldown is there to
-    remove; None when there is no cooldown or no early stopping."""
-    if cooldown_steps <= 0 or patience <= 0:
+def cooldown_patience_note(max_steps: int, cooldown_steps: int, patience: int,
+                           max_time: float = 0.0, cooldown_fraction: float = 0.0) -> str | None:
+    """A log line when early stopping may end the run before its cooldown (by step, or over the
+    last cooldown_fraction of a max_time budget in seconds) has started (or finished), which would
+    leave the still-large inverse-sqrt lr that the cooldown is there to remove; None when there is
+    no cooldown or no early stopping."""
+    if patience <= 0:
+        return None
+    if max_time > 0 and cooldown_fraction > 0:
+        where = f"from {format_duration(max_time * (1 - cooldown_fraction))} of training on"
+    elif cooldown_steps > 0:
+        where = f"updates {max_steps - cooldown_steps + 1}-{max_steps}"
+    else:
         return None
     return (f"note: early stopping (train.patience={patience}) can end the run before its lr cooldown "
-            f"(updates {max_steps - cooldown_steps + 1}-{max_steps}); --set train.patience=0 always runs it")
+            f"({where}); --set train.patience=0 always runs it")

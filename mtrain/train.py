@@ -163,12 +163,10 @@ class Run:
                 tr.log(f"starting from {tr.start.path} (SHA-256 {tr.start.sha256[:12]}...): its weights and model "
                        "section; a fresh optimizer and lr schedule")
         log_precision(tr)  # also on resume: the host may differ
-        note = cooldown_patience_note(tr.tcfg.max_steps, tr.tcfg.cooldown_steps, tr.tcfg.patience)
+        note = cooldown_patience_note(tr.tcfg.max_steps, tr.tcfg.cooldown_steps, tr.tcfg.patience,
+                                      tr.budget, tr.tcfg.cooldown_fraction)
         if note and not resumed:
             tr.log(note)
-        if tr.budget and tr.tcfg.patience > 0 and not resumed:
-            tr.log(f"note: early stopping (train.patience={tr.tcfg.patience}) can end the run before its lr cooldown; "
-                   "--set train.patience=0 always runs it")
         if tr.budget:
             cool = tr.budget * (1 - tr.tcfg.cooldown_fraction)
             tr.log(f"time budget train.max_time={tr.tcfg.max_time}: the lr cools down from {format_duration(cool)} of "
@@ -364,9 +362,10 @@ class Run:
         return reason
 
     def finish(self, reason: str) -> None:
-        """Final validation (if the last step had none: after train.max_time, or a run resumed at a
-        lowered max_steps; the loop validates at max_steps itself), plot, then step file, averaged.pt and last.pt: a
-        last.pt that says the run finished comes after every other file of the run."""
+        """Final validation (if the last step had none: after train.max_time, or a run resumed at
+        a lowered max_steps; the loop validates at max_steps itself), plot, then step file,
+        averaged.pt and last.pt: a last.pt that says the run finished comes after every other file
+        of the run."""
         tr, s = self.tr, self.tr.state
         if s.last_eval_step != s.step:
             self.validate()

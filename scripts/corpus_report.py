@@ -9,7 +9,6 @@ mtrain train logs, summed over resumed invocations, validation included). Prints
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 from mtrain.plot import read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # recipe_report, beside this script
-from recipe_report import hardware, trained_with  # noqa: E402
+from recipe_report import hardware, trained_with, write_curve_csv  # noqa: E402
 
 
 def curve(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -44,7 +43,7 @@ def results(run: Path, data: Path, tests: list[str]) -> dict[str, Any]:
         "train_minutes": round(state.get("train_seconds", 0.0) / 60, 1),
         "train_pairs": stats["cleaning"]["kept_pairs"], "dropped": stats["cleaning"]["dropped"],
         "overlap_pairs": {split: o["pairs"] for split, o in stats.get("overlap", {}).items()},
-        "config": json.loads(json.dumps(_config(run))),
+        "config": _config(run),
         "hardware": hardware(), "trained_with": trained_with(run),
     }
 
@@ -63,10 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     report = results(args.run, args.data, args.tests)
     rows = curve(read_metrics(args.run / "metrics.jsonl"))
-    with open(args.run / "bleu_vs_time.csv", "w", newline="", encoding="utf-8") as handle:
-        writer = csv.DictWriter(handle, fieldnames=["step", "train_min", "valid_bleu", "valid_chrf", "valid_loss"])
-        writer.writeheader()
-        writer.writerows(rows)
+    write_curve_csv(rows, args.run / "bleu_vs_time.csv", fields=("step", "train_min", "valid_bleu", "valid_chrf", "valid_loss"))
     (args.run / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"| {args.run.name} | " + " | ".join(f"{args.tests[i]} {s['bleu']:.2f} / {s['chrf']:.2f}"
                                              for i, s in enumerate(report["tests"].values()))

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from mtrain.plot import read_metrics  # the one reader of metrics.jsonl (skips a torn last line)
 
@@ -66,8 +66,10 @@ def train_wall_time(records: list[dict[str, Any]]) -> float:
     return round(max((wall for wall, _ in timed), default=0.0), 1)
 
 
-def write_curve_csv(rows: list[dict[str, Any]], path: str | Path) -> None:
-    fields = ["step", "wall_s", "wall_min", "valid_bleu", "valid_chrf", "valid_loss"]
+CURVE_FIELDS = ("step", "wall_s", "wall_min", "valid_bleu", "valid_chrf", "valid_loss")
+
+
+def write_curve_csv(rows: list[dict[str, Any]], path: str | Path, fields: Sequence[str] = CURVE_FIELDS) -> None:
     with open(path, "w", newline="", encoding="utf-8") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields)
         writer.writeheader()

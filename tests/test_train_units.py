@@ -57,6 +57,10 @@ def test_early_stopping_that_could_skip_the_cooldown_is_logged():
     assert "train.patience=12" in note and "updates 5501-8000" in note and "train.patience=0" in note
     assert cooldown_patience_note(8000, 2500, 0) is None  # no early stopping: the cooldown always runs
     assert cooldown_patience_note(8000, 0, 12) is None  # no cooldown to skip
+    # A 1h budget with its last third as the cooldown: from 40 minutes of training on.
+    note = cooldown_patience_note(100_000, 0, 3, max_time=3600, cooldown_fraction=1 / 3)
+    assert "train.patience=3" in note and "from 40m00s of training on" in note
+    assert cooldown_patience_note(100_000, 0, 0, max_time=3600, cooldown_fraction=1 / 3) is None
 
 
 def test_label_smoothing_hand_computed_v4():
