@@ -106,7 +106,7 @@ def print_config_and_exit(cfg) -> None:
 @app.command()
 @friendly
 def tokenize(
-    data: Optional[List[str]] = typer.Option(None, "--data", help="Folder with {split}.{src} / {split}.{tgt} files (or .tsv/.jsonl per split); repeat it, as DIR or NAME=DIR, to combine corpora (the first one gives the evaluation splits)."),
+    data: Optional[List[str]] = typer.Option(None, "--data", help="Folder with {split}.{src} / {split}.{tgt} files (or .tsv/.jsonl per split); repeat it, as DIR or NAME=DIR, to combine corpora (each evaluation split comes from the first corpus that has it)."),
     out: Path = typer.Option(Path("data/multi30k-tok"), "--out", help="Output folder for spm.model, ids and stats.json."),
     src: Optional[str] = typer.Option(None, "--src", help="Source language suffix (data.src)."),
     tgt: Optional[str] = typer.Option(None, "--tgt", help="Target language suffix (data.tgt)."),

@@ -313,6 +313,12 @@ class Corpus:
     def source(self) -> str:
         return f"hf:{self.hf_dataset}" if self.hf_dataset else str(self.folder)
 
+    def has(self, split: str, src: str, tgt: str) -> bool:
+        """Whether the corpus holds any file of this split (a hub dataset is the only corpus)."""
+        if self.hf_dataset is not None:
+            return True
+        return any(_existing(self.folder / f"{split}.{ext}") for ext in (src, tgt, "tsv", "jsonl"))
+
     def locate(self, split: str, src: str, tgt: str) -> Callable[[], Chunks]:
         """The reader of one split; what is missing is an error now."""
         if self.hf_dataset is None:

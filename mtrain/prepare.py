@@ -455,7 +455,7 @@ def tokenize_corpus(
 ) -> dict[str, Any]:
     """`mtrain tokenize`: check, clean the first split of every corpus (`data_dir`: a folder, or
     several `DIR` / `NAME=DIR`), train SentencePiece on a sample of it, encode and cache every split
-    (the evaluation splits come from the first corpus). meta.json is written last, so a folder
+    (each evaluation split comes from the first corpus that has it). meta.json is written last, so a folder
     without it is an interrupted run. `spm_from`: encode with that checkpoint's or tokenized
     folder's SentencePiece model(s) instead of training one (a distilled student keeps its
     teacher's vocabulary). Returns the stats dict."""
@@ -469,7 +469,8 @@ def tokenize_corpus(
     # Everything that can be checked before the long pass: each corpus's training files exist, and
     # the (small) evaluation splits are read and checked whole.
     readers = {corpus.name: corpus.locate(train_split, src, tgt) for corpus in corpora}
-    evals = {split: collect(corpora[0].locate(split, src, tgt)()) for split in eval_splits}
+    sources = {split: eval_corpus(corpora, split, src, tgt) for split in eval_splits}
+    evals = {split: collect(corpus.locate(split, src, tgt)()) for split, corpus in sources.items()}
     tags = [tag_symbol(name) for name in cfg.data.tags]
     given = None if spm_from is None else existing_tokenizer(Path(spm_from), tags)
 
@@ -494,7 +495,7 @@ def tokenize_corpus(
             for split, pairs in evals.items():
                 for side, lines in zip(SIDES, pairs):
                     handle = TextOut(out.path(f"{split}.{side}.txt"))
-                    handle.write(lines, f"{corpora[0].source} [{split}]")
+                    handle.write(lines, f"{sources[split].source} [{split}]")
                     handle.close()
                 split_stats[split] = encode_split(out, split, tok, [pairs], bar)
 
@@ -509,6 +510,12 @@ def tokenize_corpus(
     lines = ", ".join(f"{s} {split_stats[s]['lines']}" for s in splits)
     print(f"wrote {out_dir} ({lines} pairs) in {time.perf_counter() - started:.1f}s ({took})", file=sys.stderr)
     return stats
+
+
+def eval_corpus(corpora: Sequence[Corpus], split: str, src: str, tgt: str) -> Corpus:
+    """The corpus an evaluation split is read from: the first one that has it, so corpora mixed for
+    training keep each one's own test sets. None has it: the first, whose reader names the file."""
+    return next((corpus for corpus in corpora if corpus.has(split, src, tgt)), corpora[0])
 
 
 def existing_tokenizer(path: Path, tags: Sequence[str]) -> Tokenizer:

@@ -290,6 +290,36 @@ def test_untagged_corpora_make_the_model_of_one_corpus_of_both(tmp_path):
         assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
 
 
+def test_each_evaluation_split_comes_from_the_first_corpus_that_has_it(tmp_path):
+    """Two corpora, each with its own tests: valid (in both) is the first's, test2016 the first's,
+    test only the second's; --drop-overlap drops training pairs of either corpus that repeat a test
+    of the other, and a split no corpus has names the first corpus's folder."""
+    rng = random.Random(6)
+    a = words_corpus(tmp_path / "a", rng, {"train": 200, "valid": 8, "test2016": 6})
+    b = words_corpus(tmp_path / "b", rng, {"train": 150, "valid": 9, "test": 7}, prefix="b")
+    a_train, b_train = read_split(a, "train", "de", "en"), read_split(b, "train", "de", "en")
+    b_test, a_test = read_split(b, "test", "de", "en"), read_split(a, "test2016", "de", "en")
+    write_pair(a, "train", a_train[0] + b_test[0][:2], a_train[1] + b_test[1][:2])  # a repeats 2 of b's test
+    write_pair(b, "train", b_train[0] + a_test[0][:3], b_train[1] + a_test[1][:3])  # b repeats 3 of a's test2016
+    out = tmp_path / "tok"
+    result = tokenize("--data", str(a), "--data", str(b), "--out", str(out), "--vocab-size", "300",
+                      "--splits", "train,valid,test2016,test", "--drop-overlap")
+    assert result.exit_code == 0, result.output
+    data = TokenizedData(out)
+    for split, folder in (("valid", a), ("test2016", a), ("test", b)):
+        src, tgt = read_split(folder, split, "de", "en")
+        assert data.split(split).src_text() == src and data.split(split).tgt_text() == tgt, split
+    assert data.stats["overlap"]["test"] == {"src": 2, "pairs": 2}
+    assert data.stats["overlap"]["test2016"] == {"src": 3, "pairs": 3}
+    assert data.stats["cleaning"]["corpora"]["a"]["dropped"]["overlap"] == 2
+    assert data.stats["cleaning"]["corpora"]["b"]["dropped"]["overlap"] == 3
+
+    result = tokenize("--data", str(a), "--data", str(b), "--out", str(tmp_path / "none"),
+                      "--splits", "train,valid,newstest")
+    assert_one_line_error(result, str(a / "newstest.de"), "file not found")
+    assert not (tmp_path / "none").exists()
+
+
 @pytest.mark.parametrize("extra, needles", [
     (["--set", "data.weights=main=1,nope=2"], ("data.weights: no corpus named 'nope'", "main, bt")),
     (["--set", "data.weights=main=1"], ("data.weights: no weight for corpus 'bt'",)),
