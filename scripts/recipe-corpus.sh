@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# A corpus recipe, one command: venv -> tokenize -> train to a time budget -> score -> report.
+# scripts/recipe-tatoeba.sh and scripts/recipe-mixed.sh set what it trains on; called directly:
+#   CONFIG=configs/x.yaml CORPORA="[NAME=]DIR ..." TESTS="split ..." RUN=runs/x TOK=data/x-tok \
+#       scripts/recipe-corpus.sh [extra `mtrain train` options, e.g. --set train.max_time=1h]
+# CORPORA: one folder, or several mixed by the config's data.weights; each evaluation split (valid
+# and the TESTS) comes from the first corpus that has it. A corpus folder data/X that does not exist
+# yet is copied from ../shared/corpora/X when the checkout sits beside it.
+# Tokenized with --drop-overlap: training pairs that also occur in valid or a test are dropped, and the
+# counts are in $TOK/stats.json (overlap) and the report.
+# Training stops at the config's train.max_time (training time over every resumed invocation), cools
+# the lr down over its last part and averages its last checkpoints; re-running the command resumes an
+# interrupted run, and a finished one is only reported (each test set is scored once per averaged.pt).
+# Writes $RUN/{averaged.pt, <test>.hyp, <test>.json, results.json, bleu_vs_time.csv}.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+for var in CONFIG CORPORA TESTS RUN TOK; do
+    [ -n "${!var:-}" ] || { echo "$0: set $var (see the comment at the top of this script)" >&2; exit 2; }
+done
+read -r -a TEST_SPLITS <<< "$TESTS"
+read -r -a CORPUS_SPECS <<< "$CORPORA"
+
+. scripts/setup_env.sh ''
+data_args=()
+for spec in "${CORPUS_SPECS[@]}"; do
+    dir=${spec#*=}
+    shared=../shared/corpora/$(basename "$dir")
+    if [ ! -d "$dir" ] || [ -z "$(ls -A "$dir")" ]; then
+        if [ "$(dirname "$dir")" != data ] || [ ! -d "$shared" ]; then
+            echo "no corpus in $dir: copy it there (train, valid and the tests $TESTS as .de and .en files)" >&2
+            exit 2
+        fi
+        rm -rf "$dir.partial" && mkdir -p "$dir.partial"
+        cp "$shared"/*.de "$shared"/*.en "$dir.partial"/
+        rmdir "$dir" 2>/dev/null || true  # an empty folder left by hand
+        mv "$dir.partial" "$dir"  # whole or not at all
+    fi
+    data_args+=(--data "$spec")
+done
+[ -f "$TOK/meta.json" ] || mtrain tokenize --config "$CONFIG" "${data_args[@]}" --src de --tgt en \
+    --splits "train,valid,$(IFS=,; echo "${TEST_SPLITS[*]}")" --drop-overlap --out "$TOK"
+
+mtrain train --config "$CONFIG" --data "$TOK" --out "$RUN" "$@"
+
+LENPEN=$(python -c "import sys; from mtrain.config import load_config; print(load_config(sys.argv[1]).decode.lenpen)" \
+    "$RUN/config.yaml")
+for test in "${TEST_SPLITS[@]}"; do
+    # Scored once per averaged.pt: a run trained further (a larger train.max_time) is scored again.
+    [ "$RUN/$test.json" -nt "$RUN/averaged.pt" ] && continue
+    echo "scoring $RUN/averaged.pt on $test (beam 5, lenpen $LENPEN)" >&2
+    mtrain eval --checkpoint "$RUN/averaged.pt" --src "$TOK/$test.src.txt" --ref "$TOK/$test.tgt.txt" \
+        --beam 5 --lenpen "$LENPEN" --output-hyp "$RUN/$test.hyp" --json > "$RUN/$test.json.tmp"
+    mv "$RUN/$test.json.tmp" "$RUN/$test.json"
+done
+python scripts/corpus_report.py --run "$RUN" --data "$TOK" --tests "${TEST_SPLITS[@]}"
