@@ -502,6 +502,7 @@ def tokenize_corpus(
         stats = _stats(cfg, train_split, cleaned, split_stats)
         _write_json(out.path("stats.json"), stats)
         meta = _meta(cfg, tok, splits, corpora, cleaned)
+        meta["eval_sources"] = {split: corpus.name for split, corpus in sources.items()}
         if given is not None:  # not trained here: the settings above did not make it
             meta["tokenizer"] = {"from": str(spm_from), "vocab_size": tok.tgt.vocab_size}
         _write_json(out.path("meta.json"), meta)

@@ -1,4 +1,4 @@
-"""A corpus recipe's report (scripts/recipe-tatoeba.sh): RUN/results.json with each test set's scores
+"""A corpus recipe's report (scripts/recipe-corpus.sh): RUN/results.json with each test set's scores
 and signatures, the training time and steps, the evaluation pairs found in train (and so dropped
 from it) and the machine; RUN/bleu_vs_time.csv, the validation BLEU against training time (the train_s that
 mtrain train logs, summed over resumed invocations, validation included). Prints a Markdown table.

@@ -22,19 +22,42 @@ TESTS = (("test2016", "test2016", "multi30k"), ("Tatoeba test", "test", "tatoeba
          ("FLORES-200 devtest", "flores200-devtest", "tatoeba"), ("newstest2014", "newstest2014", "tatoeba"))
 
 
-def recorded(run: Path, split: str) -> Path | None:
-    """The score of averaged.pt on this split that a recipe wrote, if it is newer than averaged.pt."""
+def recorded(run: Path, split: str, n_lines: int) -> dict[str, Any] | None:
+    """The score of averaged.pt alone on the whole split that a recipe wrote after averaged.pt was
+    made, if there is one. The Multi30k recipe's test2016.sacrebleu.json counts only when its
+    results.json says it scored averaged.pt alone, on every line of the original text."""
+    model_time = (run / "averaged.pt").stat().st_mtime_ns
     for name in (f"{split}.json", f"{split}.sacrebleu.json"):
         path = run / name
-        if path.is_file() and path.stat().st_mtime_ns > (run / "averaged.pt").stat().st_mtime_ns:
-            return path
+        if not path.is_file() or path.stat().st_mtime_ns <= model_time:
+            continue
+        if name.endswith(".sacrebleu.json") and not _recipe_scored_averaged_alone(run):
+            continue
+        try:
+            scores = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue  # an interrupted write: score again
+        if isinstance(scores, dict) and {"bleu", "chrf"} <= set(scores) and scores.get("n_lines") == n_lines:
+            return scores
     return None
+
+
+def _recipe_scored_averaged_alone(run: Path) -> bool:
+    try:
+        meta = json.loads((run / "results.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return (str(meta.get("checkpoint", "")).endswith("averaged.pt") and "+" not in str(meta.get("checkpoint"))
+            and meta.get("eval_lines") == "all" and meta.get("text") == "raw")
 
 
 def score(run: Path, split: str, folder: Path) -> dict[str, Any]:
     """averaged.pt on folder/split.de against split.en, scored once: an earlier score is read back."""
-    path = recorded(run, split)
-    if path is None:
+    from mtrain.corpus import read_lines  # the line splitting mtrain eval uses
+
+    n_lines = len(read_lines(folder / f"{split}.en"))
+    scores = recorded(run, split, n_lines)
+    if scores is None:
         from mtrain.config import load_config
 
         lenpen = load_config(run / "config.yaml").decode.lenpen
@@ -47,7 +70,8 @@ def score(run: Path, split: str, folder: Path) -> dict[str, Any]:
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(output, encoding="utf-8")
         tmp.replace(path)
-    return json.loads(path.read_text(encoding="utf-8"))
+        scores = json.loads(output)
+    return scores
 
 
 def table(scores: dict[str, dict[str, dict[str, Any]]]) -> str:
@@ -69,10 +93,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tatoeba", type=Path, default=Path("data/tatoeba-de-en"),
                         help="holds test, flores200-devtest and newstest2014 .{de,en}")
     args = parser.parse_args(argv)
-    models = dict(spec.split("=", 1) for spec in args.model)
-    for name, run in models.items():
-        if not (Path(run) / "averaged.pt").is_file():
-            parser.error(f"--model {name}={run}: no averaged.pt there; finish that run first")
+    models: dict[str, str] = {}
+    for spec in args.model:
+        name, _, run = spec.partition("=")
+        if not name or not run or name in models:
+            parser.error(f"--model {spec}: give NAME=RUN, each NAME once")
+        for needed in ("averaged.pt", "config.yaml"):
+            if not (Path(run) / needed).is_file():
+                parser.error(f"--model {spec}: no {needed} in {run}; finish that run first")
+        models[name] = run
     folders = {"multi30k": args.multi30k, "tatoeba": args.tatoeba}
     scores = {name: {column: score(Path(run), split, folders[corpus]) for column, split, corpus in TESTS}
               for name, run in models.items()}

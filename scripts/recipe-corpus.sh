@@ -6,36 +6,38 @@
 # CORPORA: one folder, or several mixed by the config's data.weights; each evaluation split (valid
 # and the TESTS) comes from the first corpus that has it. A corpus folder data/X that does not exist
 # yet is copied from ../shared/corpora/X when the checkout sits beside it.
-# Tokenized with --drop-overlap: training pairs that also occur in valid or a test are dropped, and the
-# counts are in $TOK/stats.json (overlap) and the report.
+# Tokenized with --drop-overlap: training pairs whose source line occurs in valid or a test are dropped,
+# and the counts are in $TOK/stats.json (overlap) and the report. Language pair: de -> en.
 # Training stops at the config's train.max_time (training time over every resumed invocation), cools
 # the lr down over its last part and averages its last checkpoints; re-running the command resumes an
 # interrupted run, and a finished one is only reported (each test set is scored once per averaged.pt).
 # Writes $RUN/{averaged.pt, <test>.hyp, <test>.json, results.json, bleu_vs_time.csv}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-for var in CONFIG CORPORA TESTS RUN TOK; do
-    [ -n "${!var:-}" ] || { echo "$0: set $var (see the comment at the top of this script)" >&2; exit 2; }
-done
-read -r -a TEST_SPLITS <<< "$TESTS"
-read -r -a CORPUS_SPECS <<< "$CORPORA"
+read -r -a TEST_SPLITS <<< "${TESTS:-}"
+read -r -a CORPUS_SPECS <<< "${CORPORA:-}"
+if [ -z "${CONFIG:-}" ] || [ -z "${RUN:-}" ] || [ -z "${TOK:-}" ] || [ "${#CORPUS_SPECS[@]}" -eq 0 ] \
+    || [ "${#TEST_SPLITS[@]}" -eq 0 ]; then
+    echo "$0: set CONFIG, CORPORA, TESTS, RUN and TOK (see the comment at the top of this script)" >&2
+    exit 2
+fi
 
 . scripts/setup_env.sh ''
 data_args=()
 for spec in "${CORPUS_SPECS[@]}"; do
-    dir=${spec#*=}
+    [[ "$spec" =~ ^[A-Za-z0-9][A-Za-z0-9_.-]*= ]] && name=${spec%%=*}= dir=${spec#*=} || name="" dir=$spec  # as `--data`
+    dir=${dir%/} && dir=${dir#./}
     shared=../shared/corpora/$(basename "$dir")
-    if [ ! -d "$dir" ] || [ -z "$(ls -A "$dir")" ]; then
+    if ! compgen -G "$dir/train.*" > /dev/null; then
         if [ "$(dirname "$dir")" != data ] || [ ! -d "$shared" ]; then
-            echo "no corpus in $dir: copy it there (train, valid and the tests $TESTS as .de and .en files)" >&2
+            echo "no training split in $dir: put train.de and train.en there (and its valid or test files)" >&2
             exit 2
         fi
-        rm -rf "$dir.partial" && mkdir -p "$dir.partial"
+        rm -rf "$dir.partial" && mkdir -p "$dir.partial" "$dir"
         cp "$shared"/*.de "$shared"/*.en "$dir.partial"/
-        rmdir "$dir" 2>/dev/null || true  # an empty folder left by hand
-        mv "$dir.partial" "$dir"  # whole or not at all
+        mv "$dir.partial"/* "$dir"/ && rmdir "$dir.partial"  # into a folder that may hold other files (tok/)
     fi
-    data_args+=(--data "$spec")
+    data_args+=(--data "$name$dir")
 done
 [ -f "$TOK/meta.json" ] || mtrain tokenize --config "$CONFIG" "${data_args[@]}" --src de --tgt en \
     --splits "train,valid,$(IFS=,; echo "${TEST_SPLITS[*]}")" --drop-overlap --out "$TOK"

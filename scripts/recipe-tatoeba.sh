@@ -8,4 +8,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CONFIG=${CONFIG:-configs/tatoeba-de-en.yaml} TOK=${TOK:-data/tatoeba-tok} RUN=${RUN:-runs/tatoeba-de-en}
 export CORPORA=${DATA:-data/tatoeba-de-en} TESTS="test flores200-devtest newstest2014"
-exec scripts/recipe-corpus.sh "$@"
+exec bash scripts/recipe-corpus.sh "$@"

@@ -46,17 +46,31 @@ def test_mixed_config_weights_give_the_shares_its_comment_states():
     assert round(multi30k, -2) == 40_800 and round(tatoeba, -2) == 151_100
 
 
-def test_mixing_table_reuses_a_recorded_score_only_if_newer_than_the_model(tmp_path):
+def test_mixing_table_reuses_only_a_whole_score_of_the_model_alone_made_after_it(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "test2016.sacrebleu.json").write_text("{}")
-    os.utime(run / "test2016.sacrebleu.json", ns=(1_000, 1_000))
-    (run / "averaged.pt").write_bytes(b"")
-    os.utime(run / "averaged.pt", ns=(2_000, 2_000))
-    assert mixing_table.recorded(run, "test2016") is None  # scored before the model changed: stale
-    os.utime(run / "test2016.sacrebleu.json", ns=(3_000, 3_000))
-    assert mixing_table.recorded(run, "test2016") == run / "test2016.sacrebleu.json"
-    assert mixing_table.recorded(run, "test") is None
+    score = {"bleu": 42.2, "chrf": 61.7, "n_lines": 1000}
+
+    def write(name: str, content: str, ns: int) -> None:
+        (run / name).write_text(content)
+        os.utime(run / name, ns=(ns, ns))
+
+    write("averaged.pt", "", 2_000)
+    write("test2016.json", json.dumps(score), 1_000)
+    assert mixing_table.recorded(run, "test2016", 1000) is None  # scored before the model changed: stale
+    write("test2016.json", json.dumps(score), 3_000)
+    assert mixing_table.recorded(run, "test2016", 1000) == score
+    assert mixing_table.recorded(run, "test2016", 999) is None  # another reference
+    write("test2016.json", '{"bleu": 4', 3_000)  # an interrupted write
+    assert mixing_table.recorded(run, "test2016", 1000) is None
+    (run / "test2016.json").unlink()
+    write("test2016.sacrebleu.json", json.dumps(score), 3_000)  # the Multi30k recipe's: only as its report says
+    meta = {"checkpoint": "runs/x/averaged.pt", "eval_lines": "all", "text": "raw"}
+    for change, reused in (({}, True), ({"checkpoint": "runs/x/averaged.pt + runs/y/averaged.pt"}, False),
+                           ({"eval_lines": "100"}, False), ({"text": "lc-tok"}, False)):
+        write("results.json", json.dumps(meta | change), 4_000)
+        assert (mixing_table.recorded(run, "test2016", 1000) == score) is reused, change
+    assert mixing_table.recorded(run, "test", 1000) is None
 
 
 def test_mixing_table_has_a_row_per_model_and_bleu_over_chrf_per_test():
@@ -154,6 +168,8 @@ def test_mixed_recipe_end_to_end_then_the_table(multi30k_dir, tmp_path):
     assert results["stopped"] == "max_time"
     assert results["overlap_pairs"]["test"] == 20 and results["dropped"]["overlap"] == 20
     assert results["config"]["data"]["weights"] == ["multi30k=0.27", "tatoeba=1"]
+    a, b = cuts["multi30k"]["valid"]  # valid is the first corpus's, though both have one
+    assert (tmp_path / "tok" / "valid.src.txt").read_text(encoding="utf-8").splitlines() == lines["de"][a:b]
     tests = {"test2016": "multi30k", "test": "tatoeba", "flores200-devtest": "tatoeba", "newstest2014": "tatoeba"}
     for test, corpus in tests.items():
         a, b = cuts[corpus][test]

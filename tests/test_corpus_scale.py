@@ -309,6 +309,7 @@ def test_each_evaluation_split_comes_from_the_first_corpus_that_has_it(tmp_path)
     for split, folder in (("valid", a), ("test2016", a), ("test", b)):
         src, tgt = read_split(folder, split, "de", "en")
         assert data.split(split).src_text() == src and data.split(split).tgt_text() == tgt, split
+    assert json.loads((out / "meta.json").read_text())["eval_sources"] == {"valid": "a", "test2016": "a", "test": "b"}
     assert data.stats["overlap"]["test"] == {"src": 2, "pairs": 2}
     assert data.stats["overlap"]["test2016"] == {"src": 3, "pairs": 3}
     assert data.stats["cleaning"]["corpora"]["a"]["dropped"]["overlap"] == 2
