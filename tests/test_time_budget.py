@@ -6,15 +6,22 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
+import yaml
 
 from mtrain import checkpoint
 from mtrain.config import load_config
 from mtrain.errors import MtrainError
 from mtrain.schedule import format_duration, inverse_sqrt_lr, lr_at, parse_duration, time_cooldown_factor
+from test_recipe import ROOT, VENV_PATH, load_script
 from test_train import copy_data, run  # noqa: F401  (copy_data: the copy-task corpus fixture)
+
+time_budget_report = load_script(ROOT / "scripts" / "time_budget_report.py", "time_budget_report")
 
 UPDATE_SECONDS = 10.0
 BUDGET = ["train.max_time=60s", "train.cooldown_fraction=0.5", "train.max_steps=100", "train.log_every=1",
@@ -97,6 +104,22 @@ def test_a_run_ends_at_its_budget_with_the_lr_cooled_down_in_time(copy_data, tmp
     assert last["train_state"]["state"]["train_seconds"] == 60
     assert [p.rsplit("/", 1)[-1] for p in checkpoint.load(tmp_path / "averaged.pt")["averaged_from"]] == \
         ["step-4.pt", "step-6.pt"]
+
+
+def test_at_a_steady_pace_a_budget_is_the_step_schedule_of_its_length(copy_data, tmp_path, fake_clock):
+    """10 s an update and nothing else timed: the 60 s budget cooled down over its last half is the
+    6-update schedule cooled down over its last 3 updates. Update k gets (60 - 10(k-1)) / 30 =
+    (6 + 1 - k) / 3 of the inverse-sqrt lr, each an exact division of the same two integers, so lrs,
+    weights and averaged.pt are bit-identical. scripts/time-budget-vs-steps.sh measures this same
+    step-count schedule against a budget on a real clock."""
+    timed = run(copy_data, tmp_path / "time", *BUDGET)
+    plain = [o for o in BUDGET if o.split("=")[0] not in ("train.max_time", "train.cooldown_fraction", "train.max_steps")]
+    counted = run(copy_data, tmp_path / "steps", *plain, "train.max_steps=6", "train.cooldown_steps=3")
+    assert (timed["stopped"], timed["step"]) == ("max_time", 6) and counted["step"] == 6
+    assert [r["lr"] for r in metrics(tmp_path / "time", "train")] == [r["lr"] for r in metrics(tmp_path / "steps", "train")]
+    for name in ("last.pt", "averaged.pt"):
+        a, b = (checkpoint.load(tmp_path / d / name)["model"] for d in ("time", "steps"))
+        assert all(torch.equal(a[k], b[k]) for k in a), name
 
 
 def test_validation_is_training_time_and_saving_is_not(copy_data, tmp_path, fake_clock, monkeypatch):
@@ -185,3 +208,49 @@ def test_cli_max_time_flag():
     bad = CliRunner().invoke(app, ["train", "--max-time", "90", "--print-config"])
     assert bad.exit_code != 0 and "Traceback" not in bad.output
     assert "train.max_time: '90' is not a duration like 2h, 45m, 1h30m or 90s" in bad.output
+
+
+# ---------------------------------------------------------------- against step-count schedules
+
+def test_budget_report_pairs_each_budget_with_its_step_schedule_and_the_gap():
+    def row(updates, greedy, beam):
+        return {"updates": updates, "train_min": 30.0, "wall_min": 30.9, "valid_greedy": greedy,
+                "valid_beam5_averaged": beam}
+
+    lines = time_budget_report.rows({"30m": {"time": row(2800, 38.0, 39.5), "steps": row(2800, 38.25, 39.0)}})
+    assert lines[2:] == ["| 30m | `--max-time 30m` | 2,800 | 30.0 | 30.9 | 38.00 | 39.50 |",
+                         "| 30m | steps, same updates | 2,800 | 30.0 | 30.9 | 38.25 | 39.00 |",
+                         "| 30m | time − steps | | | | -0.25 | +0.50 |"]
+
+
+@pytest.mark.slow  # two 8- and 12-second budgets side by side, the two step schedules, four beam-5 scorings
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the budgets run side by side, one core each")
+def test_budget_against_steps_script_end_to_end(tokenized_slice, tmp_path):
+    """Each step-count run trains exactly the updates its budget reached, cooled down over the last
+    33% of them; each averaged.pt is scored on all of valid; a second call trains nothing."""
+    config = yaml.safe_load((ROOT / "configs" / "multi30k-de-en.yaml").read_text())
+    config["model"] |= {"d_model": 32, "d_ff": 64, "n_heads": 2, "n_encoder_layers": 1, "n_decoder_layers": 1}
+    config["train"] |= {"warmup_steps": 10, "eval_every": 20, "save_every": 10, "average_last": 2, "max_tokens": 512}
+    config["tokenizer"] = {"vocab_size": 1000}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    run_dir = tmp_path / "runs"
+    env = {**os.environ, "VIRTUAL_ENV": sys.prefix, "PATH": VENV_PATH, "RUN": str(run_dir),
+           "TOK": str(tokenized_slice), "CONFIG": str(tmp_path / "config.yaml")}
+    script = ["bash", str(ROOT / "scripts" / "time-budget-vs-steps.sh"), "8s", "12s"]
+    proc = subprocess.run(script, capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((run_dir / "report.json").read_text())["budgets"]
+    for budget in ("8s", "12s"):
+        timed, counted = report[budget]["time"], report[budget]["steps"]
+        assert timed["stopped"] == "max_time" and counted["stopped"] == "max_steps"
+        assert counted["updates"] == timed["updates"] > 0
+        cooldown = load_config(run_dir / f"steps-{budget}" / "config.yaml").train.cooldown_steps
+        assert cooldown == (timed["updates"] * 33 + 50) // 100  # 33%, rounded half up
+        assert json.loads((run_dir / f"time-{budget}" / "valid.beam5.json").read_text())["n_lines"] == 100
+        assert (run_dir / f"steps-{budget}.wall_s").is_file()
+    assert f"| 8s | `--max-time 8s` | {report['8s']['time']['updates']:,} |" in proc.stdout
+    logs = {p.name: p.stat().st_mtime_ns for p in run_dir.glob("*.log")}
+    again = subprocess.run(script, capture_output=True, text=True, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert logs == {p.name: p.stat().st_mtime_ns for p in run_dir.glob("*.log")}  # nothing trained again
+    assert json.loads((run_dir / "report.json").read_text())["budgets"] == report
