@@ -7,7 +7,8 @@
 # and the TESTS) comes from the first corpus that has it. A corpus folder data/X that does not exist
 # yet is copied from ../shared/corpora/X when the checkout sits beside it.
 # Tokenized with --drop-overlap: training pairs whose source line occurs in valid or a test are dropped,
-# and the counts are in $TOK/stats.json (overlap) and the report. Language pair: de -> en.
+# and the counts are in $TOK/stats.json (overlap) and the report. The language pair is the config's
+# data.src and data.tgt (de and en by default).
 # Training stops at the config's train.max_time (training time over every resumed invocation), cools
 # the lr down over its last part and averages its last checkpoints; re-running the command resumes an
 # interrupted run, and a finished one is only reported (each test set is scored once per averaged.pt).
@@ -30,16 +31,24 @@ for spec in "${CORPUS_SPECS[@]}"; do
     shared=../shared/corpora/$(basename "$dir")
     if ! compgen -G "$dir/train.*" > /dev/null; then
         if [ "$(dirname "$dir")" != data ] || [ ! -d "$shared" ]; then
-            echo "no training split in $dir: put train.de and train.en there (and its valid or test files)" >&2
+            echo "no training split in $dir: put its train, valid and test files there (e.g. train.de + train.en)" >&2
             exit 2
         fi
-        rm -rf "$dir.partial" && mkdir -p "$dir.partial" "$dir"
-        cp "$shared"/*.de "$shared"/*.en "$dir.partial"/
-        mv "$dir.partial"/* "$dir"/ && rmdir "$dir.partial"  # into a folder that may hold other files (tok/)
+        mkdir -p "$dir"  # it may hold other files already (tok/): those stay
+        for file in "$shared"/*; do
+            name_only=$(basename "$file")
+            case "$name_only" in
+                train.*) cp "$file" "$dir/.$name_only.partial" ;;
+                *) [ -e "$dir/$name_only" ] || cp -r "$file" "$dir/" ;;
+            esac
+        done
+        for file in "$shared"/train.*; do  # the training files last: their presence means a whole copy
+            mv "$dir/.$(basename "$file").partial" "$dir/$(basename "$file")"
+        done
     fi
     data_args+=(--data "$name$dir")
 done
-[ -f "$TOK/meta.json" ] || mtrain tokenize --config "$CONFIG" "${data_args[@]}" --src de --tgt en \
+[ -f "$TOK/meta.json" ] || mtrain tokenize --config "$CONFIG" "${data_args[@]}" \
     --splits "train,valid,$(IFS=,; echo "${TEST_SPLITS[*]}")" --drop-overlap --out "$TOK"
 
 mtrain train --config "$CONFIG" --data "$TOK" --out "$RUN" "$@"
