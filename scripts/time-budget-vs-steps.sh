@@ -18,7 +18,7 @@ if [ $# -gt 0 ]; then BUDGETS=("$@"); else BUDGETS=(30m 60m); fi
 RUN=${RUN:-runs/time-budget}
 TOK=${TOK:-data/multi30k-tok-de-en}
 CONFIG=${CONFIG:-configs/multi30k-de-en.yaml}
-CORES=$(nproc)
+CORES=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # the cores this process may use (nproc alone reads OMP_NUM_THREADS)
 if [ "${#BUDGETS[@]}" -gt "$CORES" ]; then
     echo "${#BUDGETS[@]} budgets on $CORES cores: give at most $CORES, one per core" >&2; exit 2
 fi
