@@ -43,6 +43,11 @@ def time_cooldown_factor(seconds: float, budget: float, fraction: float) -> floa
     return min(1.0, max(0.0, (budget - seconds) / (fraction * budget)))
 
 
+def time_cooldown_start(budget: float, fraction: float) -> float:
+    """The training seconds at which time_cooldown_factor starts to fall below 1."""
+    return budget * (1 - fraction)
+
+
 def lr_at(step: int, d_model: int, warmup_steps: int, scale: float = 1.0,
           max_steps: int = 0, cooldown_steps: int = 0,
           seconds: float = 0.0, max_time: float = 0.0, cooldown_fraction: float = 0.0) -> float:
@@ -85,7 +90,7 @@ def cooldown_patience_note(max_steps: int, cooldown_steps: int, patience: int,
     if patience <= 0:
         return None
     if max_time > 0 and cooldown_fraction > 0:
-        where = f"from {format_duration(max_time * (1 - cooldown_fraction))} of training on"
+        where = f"from {format_duration(time_cooldown_start(max_time, cooldown_fraction))} of training on"
     elif cooldown_steps > 0:
         where = f"updates {max_steps - cooldown_steps + 1}-{max_steps}"
     else:

@@ -40,7 +40,7 @@ from mtrain.lock import RunLock
 from mtrain.memory import release_free_memory
 from mtrain.plot import MetricsLog, plot_metrics
 from mtrain.resume import empty_window
-from mtrain.schedule import cooldown_patience_note, format_duration
+from mtrain.schedule import cooldown_patience_note, format_duration, time_cooldown_start
 from mtrain.trainer import Trainer
 
 
@@ -168,7 +168,7 @@ class Run:
         if note and not resumed:
             tr.log(note)
         if tr.budget:
-            cool = tr.budget * (1 - tr.tcfg.cooldown_fraction)
+            cool = time_cooldown_start(tr.budget, tr.tcfg.cooldown_fraction)
             tr.log(f"time budget train.max_time={tr.tcfg.max_time}: the lr cools down from {format_duration(cool)} of "
                    f"training and updates stop at {format_duration(tr.budget)} "
                    f"({format_duration(tr.state.train_seconds)} trained so far)")

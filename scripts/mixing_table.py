@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mtrain.atomic import atomic_write
+
 # (column, split, the corpus folder it is read from as raw text): what each model is scored on.
 TESTS = (("test2016", "test2016", "multi30k"), ("Tatoeba test", "test", "tatoeba"),
          ("FLORES-200 devtest", "flores200-devtest", "tatoeba"), ("newstest2014", "newstest2014", "tatoeba"))
@@ -66,11 +68,9 @@ def score(run: Path, split: str, folder: Path) -> dict[str, Any]:
                    "--src", str(folder / f"{split}.de"), "--ref", str(folder / f"{split}.en"), "--beam", "5",
                    "--lenpen", str(lenpen), "--output-hyp", str(run / f"{split}.hyp"), "--json"]
         output = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout
-        path = run / f"{split}.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(output, encoding="utf-8")
-        tmp.replace(path)
         scores = json.loads(output)
+        with atomic_write(run / f"{split}.json") as handle:
+            handle.write(output)
     return scores
 
 

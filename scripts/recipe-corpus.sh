@@ -55,12 +55,8 @@ mtrain train --config "$CONFIG" --data "$TOK" --out "$RUN" "$@"
 
 LENPEN=$(python -c "import sys; from mtrain.config import load_config; print(load_config(sys.argv[1]).decode.lenpen)" \
     "$RUN/config.yaml")
-for test in "${TEST_SPLITS[@]}"; do
-    # Scored once per averaged.pt: a run trained further (a larger train.max_time) is scored again.
-    [ "$RUN/$test.json" -nt "$RUN/averaged.pt" ] && continue
-    echo "scoring $RUN/averaged.pt on $test (beam 5, lenpen $LENPEN)" >&2
-    mtrain eval --checkpoint "$RUN/averaged.pt" --src "$TOK/$test.src.txt" --ref "$TOK/$test.tgt.txt" \
-        --beam 5 --lenpen "$LENPEN" --output-hyp "$RUN/$test.hyp" --json > "$RUN/$test.json.tmp"
-    mv "$RUN/$test.json.tmp" "$RUN/$test.json"
+. scripts/score_once.sh
+for test in "${TEST_SPLITS[@]}"; do  # once per averaged.pt: a run trained further is scored again
+    score_once "$RUN/averaged.pt" "$TOK/$test.src.txt" "$TOK/$test.tgt.txt" "$RUN/$test" --beam 5 --lenpen "$LENPEN"
 done
 python scripts/corpus_report.py --run "$RUN" --data "$TOK" --tests "${TEST_SPLITS[@]}"

@@ -64,12 +64,10 @@ for budget in "${BUDGETS[@]}"; do
 done
 [ "${#jobs[@]}" -eq 0 ] || side_by_side "${jobs[@]}"
 
+. scripts/score_once.sh
 for budget in "${BUDGETS[@]}"; do
     for run in "$RUN/time-$budget" "$RUN/steps-$budget"; do
-        [ "$run/valid.beam5.json" -nt "$run/averaged.pt" ] && continue
-        mtrain eval --checkpoint "$run/averaged.pt" --src "$TOK/valid.src.txt" --ref "$TOK/valid.tgt.txt" --beam 5 \
-            --output-hyp "$run/valid.beam5.hyp" --json > "$run/valid.beam5.json.tmp"
-        mv "$run/valid.beam5.json.tmp" "$run/valid.beam5.json"
+        score_once "$run/averaged.pt" "$TOK/valid.src.txt" "$TOK/valid.tgt.txt" "$run/valid.beam5" --beam 5
     done
 done
 python scripts/time_budget_report.py --run "$RUN" --budgets "${BUDGETS[@]}"
