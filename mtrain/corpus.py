@@ -209,23 +209,30 @@ def _existing(path: Path) -> Optional[Path]:
     return None
 
 
+def split_file_names(split: str, src: str, tgt: str) -> tuple[str, str, str, str]:
+    """The files a split may be held in, in the order they are looked for: the two sides of a
+    parallel pair, then a TSV, then JSON lines (each may also end in .gz)."""
+    return f"{split}.{src}", f"{split}.{tgt}", f"{split}.tsv", f"{split}.jsonl"
+
+
 def locate_split(data_dir: Path, split: str, src: str, tgt: str) -> Callable[[], Chunks]:
     """The reader of one split: DIR/{split}.{src}+{split}.{tgt}, else DIR/{split}.tsv, else
     DIR/{split}.jsonl (.gz allowed). A missing file is an error now, before any reading."""
-    src_path, tgt_path = _existing(data_dir / f"{split}.{src}"), _existing(data_dir / f"{split}.{tgt}")
+    src_name, tgt_name, tsv_name, jsonl_name = split_file_names(split, src, tgt)
+    src_path, tgt_path = _existing(data_dir / src_name), _existing(data_dir / tgt_name)
     if src_path and tgt_path:
         return lambda: iter_text_pair(src_path, tgt_path)
     if src_path or tgt_path:
-        missing = data_dir / f"{split}.{tgt if src_path else src}"
+        missing = data_dir / (tgt_name if src_path else src_name)
         present = src_path or tgt_path
         raise MtrainError(f"{missing}: file not found (but {present} exists); add the other side of the {split} split")
-    if tsv := _existing(data_dir / f"{split}.tsv"):
+    if tsv := _existing(data_dir / tsv_name):
         return lambda: iter_tsv(tsv, src, tgt)
-    if jsonl := _existing(data_dir / f"{split}.jsonl"):
+    if jsonl := _existing(data_dir / jsonl_name):
         return lambda: iter_jsonl(jsonl, src, tgt)
     raise MtrainError(
-        f"{data_dir / f'{split}.{src}'}: file not found; put {split}.{src} + {split}.{tgt} "
-        f"(or {split}.tsv / {split}.jsonl) in {data_dir}, or choose splits with --splits"
+        f"{data_dir / src_name}: file not found; put {src_name} + {tgt_name} "
+        f"(or {tsv_name} / {jsonl_name}) in {data_dir}, or choose splits with --splits"
     )
 
 
@@ -317,7 +324,7 @@ class Corpus:
         """Whether the corpus holds any file of this split (a hub dataset is the only corpus)."""
         if self.hf_dataset is not None:
             return True
-        return any(_existing(self.folder / f"{split}.{ext}") for ext in (src, tgt, "tsv", "jsonl"))
+        return any(_existing(self.folder / name) for name in split_file_names(split, src, tgt))
 
     def locate(self, split: str, src: str, tgt: str) -> Callable[[], Chunks]:
         """The reader of one split; what is missing is an error now."""

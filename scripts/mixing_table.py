@@ -5,7 +5,7 @@ RUN/test2016.sacrebleu.json) is reused, so each test is scored once per model; t
 here and written beside it. Prints a Markdown table; --json writes every score with its signature.
 
     python scripts/mixing_table.py --model multi30k=runs/multi30k-de-en --model tatoeba=runs/tatoeba-de-en \\
-        --model mixed=runs/mixed-de-en --json docs/results/mixing.json
+        --model mixed=runs/mixed-de-en --json docs/results/mixing/table.json
 """
 
 from __future__ import annotations

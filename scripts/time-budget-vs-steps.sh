@@ -4,9 +4,9 @@
 # 1. Each budget trains `--max-time BUDGET` (the lr cools down over the last third of the time),
 #    all at once, each pinned to its own core with one thread.
 # 2. Each step-count schedule then trains exactly the updates its budget reached (N), with the
-#    lr cooldown over the last third of the updates (cooldown_steps = 0.33 N): the most updates a
-#    step count can ask for and still fit, since it is the same work. Same cores, all at once, so
-#    the two phases run under the same load.
+#    lr cooldown over the same last fraction of the updates (train.cooldown_fraction, 0.33 by default:
+#    cooldown_steps = 0.33 N): the most updates a step count can ask for and still fit, since it is
+#    the same work. Same cores, all at once, so the two phases run under the same load.
 # 3. Every averaged.pt is scored on the valid split (beam 5), and scripts/time_budget_report.py prints
 #    the table: updates, training time, wall time, final greedy valid BLEU, averaged.pt beam-5 BLEU.
 # Everything else is the config's. A finished run is not trained again.
@@ -49,6 +49,9 @@ side_by_side() {
     return $failed
 }
 
+# The step-count run cools down over the same fraction of its N updates as the budget did of its time
+# (train.cooldown_fraction of the time run's config), rounded half up.
+cooldown_steps() { python -c "import sys; from mtrain.config import load_config; f = load_config(sys.argv[1]).train.cooldown_fraction; print(int(f * int(sys.argv[2]) + 0.5))" "$RUN/time-$1/config.yaml" "$2"; }
 updates() { python -c "import sys; from mtrain import checkpoint; print(checkpoint.load(sys.argv[1], mmap=True)['train_state']['state']['step'])" "$1"; }
 
 jobs=()
@@ -60,7 +63,7 @@ done
 jobs=()
 for budget in "${BUDGETS[@]}"; do
     n=$(updates "$RUN/time-$budget/last.pt")
-    [ -f "$RUN/steps-$budget/averaged.pt" ] || jobs+=("steps-$budget: --max-steps $n --set train.cooldown_steps=$(( (n * 33 + 50) / 100 ))")
+    [ -f "$RUN/steps-$budget/averaged.pt" ] || jobs+=("steps-$budget: --max-steps $n --set train.cooldown_steps=$(cooldown_steps "$budget" "$n")")
 done
 [ "${#jobs[@]}" -eq 0 ] || side_by_side "${jobs[@]}"
 
