@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         keep = ("bleu", "chrf", "ter", "n_lines", "signatures")
         record = {name: {"run": run, "tests": {c: {k: s[k] for k in keep if k in s} for c, s in scores[name].items()}}
                   for name, run in models.items()}
-        args.json.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        with atomic_write(args.json) as handle:
+            handle.write(json.dumps(record, indent=2) + "\n")
     return 0
 
 
