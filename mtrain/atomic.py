@@ -43,6 +43,7 @@ def atomic_write(path: str | Path, binary: bool = False, durable: bool = False) 
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.chmod(tmp, _new_file_mode(path))
         handle = os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8", newline="\n")
         with handle:
             yield handle
@@ -57,6 +58,37 @@ def atomic_write(path: str | Path, binary: bool = False, durable: bool = False) 
         raise
     if durable:
         _fsync_dir(path.parent)
+
+
+def _new_file_mode(path: Path) -> int:
+    """The permissions the target gets: an existing target keeps its own; a new one gets what
+    open() would give it under the umask (0644 under the usual 022). mkstemp's temp file is 0600,
+    which would leave checkpoints and translations unreadable to the rest of a shared group."""
+    try:
+        return path.stat().st_mode & 0o7777
+    except OSError:
+        return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    # Linux shows the umask in /proc; os.umask can only be read by setting it, which races with
+    # threads that create files meanwhile, so that is the fallback and happens at import.
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return _UMASK_AT_IMPORT
+
+
+def _read_umask_by_setting() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK_AT_IMPORT = _read_umask_by_setting()
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -443,3 +443,22 @@ def test_under_torchrun_a_failed_write_on_rank_0_stops_every_rank(copy_data, tmp
     assert main.startswith(f"{run_dir / site}: ") and "(ENOSPC: No space left on device)" in main, main
     assert other == f"rank 0 failed to write to {run_dir}; see its error line, fix the cause and re-run the same " \
                     "command to resume" or (site == "last.pt" and "rank 0 failed to write a checkpoint" in other), other
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077])
+def test_a_new_file_gets_the_umask_permissions_and_an_existing_one_keeps_its_own(tmp_path, mask):
+    from mtrain.atomic import atomic_write
+
+    previous = os.umask(mask)
+    try:
+        with atomic_write(tmp_path / "new.txt") as handle:
+            handle.write("a\n")
+        assert (tmp_path / "new.txt").stat().st_mode & 0o777 == 0o666 & ~mask
+        (tmp_path / "kept.bin").write_bytes(b"old")
+        os.chmod(tmp_path / "kept.bin", 0o640)
+        with atomic_write(tmp_path / "kept.bin", binary=True) as handle:
+            handle.write(b"new")
+        assert (tmp_path / "kept.bin").stat().st_mode & 0o777 == 0o640
+        assert (tmp_path / "kept.bin").read_bytes() == b"new"
+    finally:
+        os.umask(previous)
