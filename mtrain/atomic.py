@@ -3,7 +3,9 @@ success, so a crash, a kill or a full disk never leaves a half-written output (n
 
 Every file mtrain writes whole (checkpoints, metrics, plots, config.yaml, translations, the
 tokenized folder's JSON) goes through `atomic_write`. The temp name is unique per call
-(mkstemp), so two processes writing the same target never rename each other's temp file.
+(created exclusively), so two processes writing the same target never rename each other's temp
+file. Temp files and folders are created as open() and mkdir() create any other, so the umask sets
+their permissions (mkstemp and mkdtemp would make every output private to its owner).
 
 `os_error_in` and `describe_write_error` put a failed write (a full disk, a file size limit, a
 failing device) into words, the same everywhere: the CLI's error line and training's stop line."""
@@ -13,9 +15,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import tempfile
+import secrets
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Callable, Iterator, TypeVar
 
 # Errors that only a write can raise: a failed atomic write names its target when the OS did not.
 WRITE_ERRNOS = frozenset(code for code in (errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", None)) if code)
@@ -41,11 +43,12 @@ def atomic_write(path: str | Path, binary: bool = False, durable: bool = False) 
     file survives a power cut too (checkpoints; the commit point of resume)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp, fd = _create_beside(path, lambda name: os.open(name, _NEW_FILE_FLAGS, 0o666))
     try:
-        os.chmod(tmp, _new_file_mode(path))
         handle = os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8", newline="\n")
         with handle:
+            if path.exists():
+                os.chmod(tmp, path.stat().st_mode & 0o7777)  # a replaced file keeps its permissions
             yield handle
             if durable:
                 handle.flush()
@@ -60,35 +63,27 @@ def atomic_write(path: str | Path, binary: bool = False, durable: bool = False) 
         _fsync_dir(path.parent)
 
 
-def _new_file_mode(path: Path) -> int:
-    """The permissions the target gets: an existing target keeps its own; a new one gets what
-    open() would give it under the umask (0644 under the usual 022). mkstemp's temp file is 0600,
-    which would leave checkpoints and translations unreadable to the rest of a shared group."""
-    try:
-        return path.stat().st_mode & 0o7777
-    except OSError:
-        return 0o666 & ~_umask()
+# Exclusive creation (never an existing file, never through a link), closed in child processes.
+_NEW_FILE_FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+                   | getattr(os, "O_BINARY", 0))
+
+_Made = TypeVar("_Made")
 
 
-def _umask() -> int:
-    # Linux shows the umask in /proc; os.umask can only be read by setting it, which races with
-    # threads that create files meanwhile, so that is the fallback and happens at import.
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return _UMASK_AT_IMPORT
+def _create_beside(path: Path, create: Callable[[Path], _Made]) -> tuple[Path, _Made]:
+    """create(name) for a fresh hidden name .{path.name}.XXXXXXXX.tmp beside path; a name already
+    taken (by another writer of the same target) is drawn again."""
+    while True:
+        name = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            return name, create(name)
+        except FileExistsError:
+            continue
 
 
-def _read_umask_by_setting() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-_UMASK_AT_IMPORT = _read_umask_by_setting()
+def make_temp_folder(path: Path) -> Path:
+    """An empty folder beside path to build it in before renaming it over path (see atomic_write)."""
+    return _create_beside(path, lambda name: os.mkdir(name, 0o777))[0]
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -5,6 +5,7 @@ covers the longest allowed input and output, and every bad request is one line w
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -337,6 +338,17 @@ def test_a_non_empty_folder_needs_force(small_checkpoint, tmp_path):
     result = export("--checkpoint", small_checkpoint, "--format", "ctranslate2", "--out", out, "--force")
     assert result.exit_code == 0, result.output
     assert not (out / "keep.txt").exists() and (out / "model.bin").is_file()
+
+
+def test_the_exported_folder_is_readable_under_the_umask(small_checkpoint, tmp_path):
+    previous = os.umask(0o022)
+    try:
+        result = export("--checkpoint", small_checkpoint, "--format", "ctranslate2", "--out", tmp_path / "out")
+    finally:
+        os.umask(previous)
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o755
+    assert (tmp_path / "out" / "export.json").stat().st_mode & 0o777 == 0o644
 
 
 @pytest.mark.parametrize("args, words", [

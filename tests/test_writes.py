@@ -68,21 +68,19 @@ class Disk:
     first, as on a disk that fills up mid-write. disarm() lets every later write through."""
 
     def __init__(self, monkeypatch, name: str, occurrence: int, room: int = 10) -> None:
-        import tempfile
-
-        from mtrain import plot
+        from mtrain import atomic, plot
 
         self.name, self.occurrence, self.room = name, occurrence, room
         self.counts: dict[str, int] = {}
         self.armed, self.failed = True, False
         temp_names: dict[int, str] = {}
-        real_mkstemp, real_fdopen, real_open = tempfile.mkstemp, os.fdopen, open
+        real_create_beside, real_fdopen, real_open = atomic._create_beside, os.fdopen, open
 
-        def mkstemp(*args, prefix=None, **kwargs):
-            fd, path = real_mkstemp(*args, prefix=prefix, **kwargs)
-            if prefix and prefix.startswith("."):
-                temp_names[fd] = prefix[1:-1]  # atomic_write's prefix is ".{target name}."
-            return fd, path
+        def create_beside(path, create):
+            name, made = real_create_beside(path, create)
+            if isinstance(made, int):
+                temp_names[made] = path.name  # atomic_write's temp file (a descriptor) for this target
+            return name, made
 
         def fdopen(fd, *args, **kwargs):
             return self.wrap(temp_names.pop(fd, ""), real_fdopen(fd, *args, **kwargs))
@@ -91,7 +89,7 @@ class Disk:
             handle = real_open(file, mode, *args, **kwargs)
             return self.wrap(Path(file).name + "+", handle) if "a" in mode else handle
 
-        monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+        monkeypatch.setattr(atomic, "_create_beside", create_beside)
         monkeypatch.setattr(os, "fdopen", fdopen)
         monkeypatch.setattr(plot, "open", plot_open, raising=False)
         try:
@@ -447,7 +445,7 @@ def test_under_torchrun_a_failed_write_on_rank_0_stops_every_rank(copy_data, tmp
 
 @pytest.mark.parametrize("mask", [0o022, 0o077])
 def test_a_new_file_gets_the_umask_permissions_and_an_existing_one_keeps_its_own(tmp_path, mask):
-    from mtrain.atomic import atomic_write
+    from mtrain.atomic import atomic_write, make_temp_folder
 
     previous = os.umask(mask)
     try:
@@ -460,5 +458,6 @@ def test_a_new_file_gets_the_umask_permissions_and_an_existing_one_keeps_its_own
             handle.write(b"new")
         assert (tmp_path / "kept.bin").stat().st_mode & 0o777 == 0o640
         assert (tmp_path / "kept.bin").read_bytes() == b"new"
+        assert make_temp_folder(tmp_path / "folder").stat().st_mode & 0o777 == 0o777 & ~mask
     finally:
         os.umask(previous)

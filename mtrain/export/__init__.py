@@ -10,10 +10,10 @@ import importlib.metadata
 import json
 import math
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from mtrain.atomic import make_temp_folder
 from mtrain.errors import MtrainError
 
 FORMATS = {"ctranslate2": "ctranslate2", "huggingface": "transformers"}  # format -> package it needs
@@ -143,7 +143,7 @@ def export_checkpoint(checkpoint: Path, fmt: str, out: Path, quantization: str |
     model, tokenizer, ckpt = load_model(checkpoint)
     check_expressible(model, fmt)
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    staging = make_temp_folder(out)
     try:
         meta = write_folder(fmt, staging, model, tokenizer, ckpt, checkpoint, quantization)
         (staging / "export.json").write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
